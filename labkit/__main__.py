@@ -1,0 +1,66 @@
+"""Command line: ``python -m labkit doctor`` and ``python -m labkit bench``."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="device, dtypes and which attention backends run here")
+    bench = sub.add_parser("bench", help="attention sweep to CSV and PNG")
+    gpu = torch.cuda.is_available()
+    bench.add_argument("--seq-lens", type=_ints, default=_ints("512,1024,2048,4096,8192,16384" if gpu else "128,256,512"))
+    bench.add_argument("--head-dims", type=_ints, default=_ints("64,128" if gpu else "64"))
+    bench.add_argument("--tokens", type=int, default=16384 if gpu else 1024, help="B*N per configuration")
+    bench.add_argument("--width", type=int, default=2048 if gpu else 256, help="H*D per configuration")
+    bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if gpu else "fp32")
+    bench.add_argument("--backends", type=lambda s: s.split(","), default=None,
+                       help="comma-separated names (default: every backend that runs here, plus auto)")
+    bench.add_argument("--modes", type=lambda s: s.split(","), default=["fwd", "fwd_bwd"])
+    bench.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    bench.add_argument("--target-ms", type=float, default=100.0, help="timing budget per row")
+    bench.add_argument("--out", type=Path, default=Path("build/bench"), help="output folder")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from . import bench, env, plots
+
+    if args.command == "doctor":
+        env.report()
+        return 0
+    unknown = set(args.backends or []) - set(bench.attn.BACKENDS) - {"auto"}
+    if unknown:
+        print(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(bench.attn.BACKENDS)}, auto",
+              file=sys.stderr)
+        return 2
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    configs = bench.fixed_token_configs(args.seq_lens, args.head_dims, tokens=args.tokens, width=args.width)
+    df = bench.attention_sweep(configs, backends=args.backends, causal=causal, modes=args.modes,
+                               dtype=DTYPES[args.dtype], target_ms=args.target_ms)
+    args.out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out / "attention_sweep.csv", index=False)
+    plots.sweep_plot(df, path=args.out / "attention_sweep.png")
+    table = df.pivot_table(index=["D", "causal", "N"], columns=["backend", "mode"], values="tflops").round(1)
+    print(table.to_string())
+    print(f"wrote {args.out / 'attention_sweep.csv'} and {args.out / 'attention_sweep.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

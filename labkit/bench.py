@@ -1,0 +1,214 @@
+"""Timing and memory measurement that is right on a GPU and honest on a CPU.
+
+- :func:`time_fn`: CUDA events after warm-up (optional L2 flush) on a GPU, perf_counter on a
+  CPU; median and 20/80% quantiles.
+- :func:`peak_memory`: extra GPU memory a call allocates (peak minus what was there before).
+- :func:`attention_sweep`: the attention benchmark as a tidy DataFrame, one row per
+  configuration and backend, out-of-memory rows recorded instead of fatal.
+- :func:`matmul_peak_tflops`, :func:`copy_bandwidth`: this device's measured peaks.
+
+Used in: 01_setup_and_comparison, 04_performance_analysis.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import pandas as pd
+import torch
+
+from . import attention as attn
+from .env import device_info
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall time of one call, in milliseconds."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    reps: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms: float = 100.0,
+            min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False) -> Timing:
+    """Time ``fn()`` the right way for the device.
+
+    GPU: CUDA events around each call (no Python timer, no implicit sync inside), after
+    ``warmup`` calls; the number of reps fills about ``target_ms``. ``flush_l2`` overwrites a
+    256 MiB buffer before each call so no input is served from L2 cache.
+    CPU: ``time.perf_counter`` around each call.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
+    first = _one_call_ms(fn, device, flush)
+    reps = int(min(max_reps, max(min_reps, target_ms / max(first, 1e-3))))
+    times = sorted([first] + [_one_call_ms(fn, device, flush) for _ in range(reps - 1)])
+    pick = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return Timing(pick(0.5), pick(0.2), pick(0.8), len(times))
+
+
+def _one_call_ms(fn, device: torch.device, flush: torch.Tensor | None) -> float:
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    if flush is not None:
+        flush.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def peak_memory(fn: Callable[[], object], *, device=None) -> float:
+    """Extra GPU bytes allocated at the peak of ``fn()``, above what was allocated before.
+
+    The peak counter is reset *before* the call (seed 002 read it before resetting and
+    reported memory from an earlier cell). Returns NaN on a CPU, where PyTorch keeps no
+    allocator statistics.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        fn()
+        return float("nan")
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del result
+    return float(peak - before)
+
+
+def free_memory() -> None:
+    """Release cached blocks between benchmark rows."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for a GPU or CPU out-of-memory error."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def tflops(flop: float, ms: float) -> float:
+    """TFLOP/s of ``flop`` operations done in ``ms`` milliseconds."""
+    return flop / (ms * 1e-3) / 1e12
+
+
+def fixed_token_configs(seq_lens: Iterable[int], head_dims: Iterable[int], *, tokens: int = 16384,
+                        width: int = 2048) -> list[dict]:
+    """The FlashAttention papers' sweep: B*N = ``tokens`` and H*D = ``width`` for each (N, D)."""
+    return [dict(B=max(1, tokens // n), H=max(1, width // d), N=n, D=d)
+            for d in head_dims for n in seq_lens]
+
+
+def attention_inputs(B: int, H: int, N: int, D: int, *, layout: str = "bhnd", dtype=torch.bfloat16,
+                     device="cpu", requires_grad: bool = False, seed: int = 0):
+    """Seeded random q, k, v of shape [B, H, N, D] (or [B, N, H, D] for "bnhd")."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (B, H, N, D) if layout == "bhnd" else (B, N, H, D)
+    return tuple(torch.randn(shape, generator=gen).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+                 for _ in range(3))
+
+
+def measure_attention(backend: str, cfg: dict, *, causal: bool, mode: str, dtype, device,
+                      target_ms: float = 100.0) -> dict:
+    """One benchmark row: time, TFLOP/s, extra memory and error vs fp32 for one backend and shape."""
+    layout = attn.native_layout(backend)
+    needs_grad = mode == "fwd_bwd"
+    q, k, v = attention_inputs(**cfg, layout=layout, dtype=dtype, device=device, requires_grad=needs_grad)
+
+    def call():
+        o = attn.attention(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy="ignore")
+        if needs_grad:
+            o.backward(torch.ones_like(o))
+        return o
+
+    with torch.set_grad_enabled(needs_grad):
+        err = _sampled_error(call(), q, k, v, causal=causal, layout=layout)
+        extra = peak_memory(call, device=device)
+        timing = time_fn(call, device=device, target_ms=target_ms)
+    return dict(ms=timing.median_ms, ms_p20=timing.p20_ms, ms_p80=timing.p80_ms,
+                tflops=tflops(attn.flops(cfg["B"], cfg["H"], cfg["N"], cfg["D"], causal=causal, mode=mode),
+                              timing.median_ms),
+                extra_mib=extra / 2**20, max_err=err)
+
+
+def _sampled_error(o, q, k, v, *, causal: bool, layout: str, heads: int = 2) -> float:
+    """Max error vs an fp32 reference on batch 0 and the first ``heads`` heads (keeps the
+    reference's N x N scores small at long N)."""
+    sl = (slice(0, 1), slice(0, heads)) if layout == "bhnd" else (slice(0, 1), slice(None), slice(0, heads))
+    return attn.max_error_vs_fp32(o[sl], q[sl], k[sl], v[sl], causal=causal, layout=layout)
+
+
+def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = None,
+                    causal: Iterable[bool] = (False, True), modes: Iterable[str] = ("fwd", "fwd_bwd"),
+                    dtype=torch.bfloat16, device=None, target_ms: float = 100.0,
+                    progress: bool = True) -> pd.DataFrame:
+    """Benchmark backends over configurations; one row per (config, causal, mode, backend).
+
+    Args:
+        configs: dicts with B, H, N, D (see :func:`fixed_token_configs`).
+        backends: names from ``labkit.attention.BACKENDS`` or "auto"; default: every one that
+            runs here, plus "auto".
+        dtype, device: input dtype and device (default: CUDA if available).
+
+    Returns:
+        DataFrame with columns backend, B, H, N, D, causal, mode, status ("ok", "oom" or the
+        error), ms, ms_p20, ms_p80, tflops, extra_mib, max_err, device, dtype.
+    """
+    from tqdm.auto import tqdm
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if backends is None:
+        backends = [b for b in attn.BACKENDS
+                    if attn.why_not(b, device=device, dtype=dtype, head_dim=configs[0]["D"]) is None] + ["auto"]
+    jobs = [(cfg, c, m, b) for cfg in configs for c in causal for m in modes for b in backends]
+    info = device_info(device)
+    rows = []
+    for cfg, c, m, b in tqdm(jobs, desc="attention sweep", disable=not progress):
+        row = dict(backend=b, **cfg, causal=c, mode=m, device=info.name, dtype=str(dtype).replace("torch.", ""))
+        try:
+            row.update(status="ok", **measure_attention(b, cfg, causal=c, mode=m, dtype=dtype, device=device,
+                                                        target_ms=target_ms))
+        except attn.AttentionInputError as err:
+            row["status"] = f"unsupported: {err}"
+        except (RuntimeError, MemoryError) as err:
+            row["status"] = "oom" if is_oom(err) else f"error: {str(err).splitlines()[0][:120]}"
+        free_memory()
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def matmul_peak_tflops(*, device=None, dtype=torch.bfloat16, n: int = 8192) -> float:
+    """Measured dense-matmul TFLOP/s of an n x n x n product (the compute roof)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    timing = time_fn(lambda: a @ b, device=device)
+    return tflops(2.0 * n**3, timing.median_ms)
+
+
+def copy_bandwidth(*, device=None, mib: int = 1024) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    timing = time_fn(lambda: dst.copy_(src), device=device)
+    return 2 * src.numel() / (timing.median_ms * 1e-3)

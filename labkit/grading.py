@@ -1,0 +1,74 @@
+"""Assertion helpers for nbgrader test cells, with messages in Traditional Chinese.
+
+Each check raises ``AssertionError`` whose message says what was expected, what came back and
+what to look at; on success it returns quietly. Test cells end with :func:`passed`.
+
+Used in: every notebook's test cells.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+
+def _fail(what: str, detail: str, hint: str = "") -> None:
+    msg = f"[{what}] {detail}"
+    if hint:
+        msg += f"\n提示（hint）：{hint}"
+    raise AssertionError(msg)
+
+
+def check_tensor(actual, expected: torch.Tensor, *, name: str, atol: float, rtol: float = 0.0,
+                 hint: str = "") -> None:
+    """``actual`` is a tensor of ``expected``'s shape with |actual - expected| <= atol + rtol*|expected|."""
+    if not isinstance(actual, torch.Tensor):
+        _fail(name, f"應回傳 torch.Tensor，卻得到 {type(actual).__name__}。", hint)
+    if tuple(actual.shape) != tuple(expected.shape):
+        _fail(name, f"形狀（shape）應為 {tuple(expected.shape)}，卻得到 {tuple(actual.shape)}。",
+              hint or "檢查 transpose、keepdim 與 reshape。")
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if not torch.isfinite(a).all() and torch.isfinite(e).all():
+        _fail(name, "結果含有 NaN 或 Inf。", hint or "減去每列最大值再取 exp，避免溢位。")
+    both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
+    err = torch.where(both_inf, torch.zeros_like(a), (a - e).abs())
+    allowed = atol + rtol * e.abs().nan_to_num(posinf=0.0, neginf=0.0)
+    bad = err > allowed
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        _fail(name, f"數值不符：最大誤差 {float(err.max()):.3g}（容許 atol={atol:g}, rtol={rtol:g}）；"
+                    f"例如位置 {idx}：得到 {float(a[idx]):.6g}，應為 {float(e[idx]):.6g}。", hint)
+
+
+def check_scalar(actual, expected: float, *, name: str, rel: float = 1e-6, abs_tol: float = 0.0,
+                 hint: str = "") -> None:
+    """``actual`` is a real number within ``rel`` (relative) or ``abs_tol`` of ``expected``."""
+    if isinstance(actual, torch.Tensor) and actual.numel() == 1:
+        actual = actual.item()
+    if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+        _fail(name, f"應回傳一個數字，卻得到 {type(actual).__name__}。", hint)
+    if not math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_tol):
+        _fail(name, f"應為 {expected:.6g}，卻得到 {float(actual):.6g}。", hint)
+
+
+def check_true(condition: bool, *, name: str, detail: str, hint: str = "") -> None:
+    """``condition`` holds; otherwise fail with ``detail``."""
+    if not condition:
+        _fail(name, detail, hint)
+
+
+def check_raises(fn: Callable[[], object], error: type[BaseException], *, name: str, hint: str = "") -> None:
+    """``fn()`` raises ``error``."""
+    try:
+        fn()
+    except error:
+        return
+    except Exception as err:  # noqa: BLE001 - report what was raised instead
+        _fail(name, f"應拋出 {error.__name__}，卻拋出 {type(err).__name__}: {err}", hint)
+    _fail(name, f"應拋出 {error.__name__}，但沒有拋出任何錯誤。", hint)
+
+
+def passed(exercise: str) -> None:
+    """Print the success line a test cell ends with."""
+    print(f"✅ {exercise}：通過所有可見測試（visible tests）。")
