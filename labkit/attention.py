@@ -305,12 +305,6 @@ def _timed(fn: Callable, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def score_matrix_bytes(batch: int, heads: int, n: int, nk: int | None = None, dtype=torch.float32) -> int:
-    """Bytes of one materialized [B, H, N, Nk] score matrix in ``dtype``."""
-    nk = n if nk is None else nk
-    return batch * heads * n * nk * torch.tensor([], dtype=dtype).element_size()
-
-
 def flops(batch: int, heads: int, n: int, head_dim: int, *, causal: bool = False,
           mode: str = "fwd", nk: int | None = None) -> float:
     """FLOPs of attention: 4*B*H*N*Nk*D forward (two matmuls), halved when causal,
@@ -341,5 +335,5 @@ def max_error_vs_fp32(o: torch.Tensor, q, k, v, *, causal: bool = False, layout:
 
 
 __all__ = ["BACKENDS", "LAYOUTS", "AttentionInputError", "attention", "auto_choice", "causal_mask",
-           "flops", "max_error_vs_fp32", "native_layout", "reference_attention", "score_matrix_bytes",
-           "validate", "why_not"]
+           "flops", "max_error_vs_fp32", "native_layout", "reference_attention", "validate",
+           "why_not"]

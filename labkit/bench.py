@@ -158,6 +158,10 @@ def _sampled_error(o, q, k, v, *, causal: bool, layout: str, heads: int = 2) -> 
     return attn.max_error_vs_fp32(o[sl], q[sl], k[sl], v[sl], causal=causal, layout=layout)
 
 
+SWEEP_COLUMNS = ["backend", "B", "H", "N", "D", "causal", "mode", "status", "ms", "ms_p20", "ms_p80",
+                 "tflops", "extra_mib", "max_err", "device", "dtype"]
+
+
 def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = None,
                     causal: Iterable[bool] = (False, True), modes: Iterable[str] = ("fwd", "fwd_bwd"),
                     dtype=torch.bfloat16, device=None, target_ms: float = 100.0,
@@ -188,13 +192,13 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
         try:
             row.update(status="ok", **measure_attention(b, cfg, causal=c, mode=m, dtype=dtype, device=device,
                                                         target_ms=target_ms))
-        except attn.AttentionInputError as err:
+        except (attn.AttentionInputError, ImportError) as err:  # ImportError: flash package missing
             row["status"] = f"unsupported: {err}"
         except (RuntimeError, MemoryError) as err:
             row["status"] = "oom" if is_oom(err) else f"error: {str(err).splitlines()[0][:120]}"
         free_memory()
         rows.append(row)
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=SWEEP_COLUMNS)  # every column even when no row ran
 
 
 def matmul_peak_tflops(*, device=None, dtype=torch.bfloat16, n: int = 8192) -> float:

@@ -8,6 +8,8 @@ Used in: every notebook's test cells.
 from __future__ import annotations
 
 import math
+import numbers
+import re
 from typing import Callable
 
 import torch
@@ -29,12 +31,12 @@ def check_tensor(actual, expected: torch.Tensor, *, name: str, atol: float, rtol
         _fail(name, f"形狀（shape）應為 {tuple(expected.shape)}，卻得到 {tuple(actual.shape)}。",
               hint or "檢查 transpose、keepdim 與 reshape。")
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    if not torch.isfinite(a).all() and torch.isfinite(e).all():
+    if (~torch.isfinite(a) & torch.isfinite(e)).any():  # NaN/Inf where a finite value is expected
         _fail(name, "結果含有 NaN 或 Inf。", hint or "減去每列最大值再取 exp，避免溢位。")
     both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
     err = torch.where(both_inf, torch.zeros_like(a), (a - e).abs())
     allowed = atol + rtol * e.abs().nan_to_num(posinf=0.0, neginf=0.0)
-    bad = err > allowed
+    bad = ~(err <= allowed)  # NaN errors count as wrong
     if bad.any():
         idx = tuple(int(i) for i in bad.nonzero()[0])
         _fail(name, f"數值不符：最大誤差 {float(err.max()):.3g}（容許 atol={atol:g}, rtol={rtol:g}）；"
@@ -46,7 +48,7 @@ def check_scalar(actual, expected: float, *, name: str, rel: float = 1e-6, abs_t
     """``actual`` is a real number within ``rel`` (relative) or ``abs_tol`` of ``expected``."""
     if isinstance(actual, torch.Tensor) and actual.numel() == 1:
         actual = actual.item()
-    if isinstance(actual, bool) or not isinstance(actual, (int, float)):
+    if isinstance(actual, bool) or not isinstance(actual, numbers.Real):  # numpy scalars are Real
         _fail(name, f"應回傳一個數字，卻得到 {type(actual).__name__}。", hint)
     if not math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_tol):
         _fail(name, f"應為 {expected:.6g}，卻得到 {float(actual):.6g}。", hint)
@@ -72,3 +74,16 @@ def check_raises(fn: Callable[[], object], error: type[BaseException], *, name: 
 def passed(exercise: str) -> None:
     """Print the success line a test cell ends with."""
     print(f"✅ {exercise}：通過所有可見測試（visible tests）。")
+
+
+def check_own_code(fn: Callable, *, name: str) -> None:
+    """``fn``'s source does not call labkit: an exercise answer must be the student's own code."""
+    import inspect
+
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        _fail(name, "找不到函式原始碼；請在 notebook 的儲存格中定義它。")
+    if re.search(r"\b(labkit|lk)\b", source):  # a word, so e.g. `q_blk.sum()` is not a call to lk
+        _fail(name, "此練習要求自行實作：函式內不可呼叫 labkit（lk.*）。",
+              "labkit 的版本只用來檢查答案；請用 torch 寫出計算步驟。")

@@ -1,0 +1,31 @@
+# Thin wrappers; the README explains each target.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch==2.13.0 from PyPI is the CUDA build on Linux; set TORCH to pick another wheel.
+TORCH  ?= torch==2.13.0
+ASSIGNMENTS := $(notdir $(wildcard solutions/[0-9]*))
+
+.PHONY: setup lab test release doctor bench
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install "$(TORCH)" -e ".[lab,dev]"
+	touch $@
+
+lab: setup            ## open the course in JupyterLab
+	$(VENV)/bin/jupyter lab notebooks/
+
+test: setup           ## unit tests, release consistency, autograde round trip, solution notebooks (cpu profile)
+	LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadfile tests/ \
+	  --nbval-lax --nbval-current-env solutions/
+
+release: setup        ## regenerate notebooks/ from solutions/
+	for a in $(ASSIGNMENTS); do $(VENV)/bin/nbgrader generate_assignment $$a --force || exit 1; done
+
+doctor: setup         ## which attention backends run here
+	$(PY) -m labkit doctor
+
+bench: setup          ## attention sweep to build/bench/
+	$(PY) -m labkit bench --out build/bench
