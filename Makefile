@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch==2.13.0 from PyPI is the CUDA build on Linux; set TORCH to pick another wheel.
 TORCH  ?= torch==2.13.0
+# nbgrader calls `alembic` from PATH when it creates the gradebook.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 ASSIGNMENTS := $(notdir $(wildcard solutions/[0-9]*))
 
 .PHONY: setup lab test release doctor bench

@@ -1,7 +1,6 @@
 """nbgrader settings for the course: the instructor edits solutions/, students get notebooks/."""
 c = get_config()  # noqa: F821 (provided by nbgrader)
 
-c.CourseDirectory.root = "."
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "notebooks"
 c.CourseDirectory.db_url = "sqlite:///gradebook.db"

@@ -35,7 +35,9 @@ def _nbgrader_cells(nb: dict, **flags) -> list[dict]:
 
 
 def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    # nbgrader runs `alembic` from PATH when it creates the gradebook: put this venv first.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = dict(os.environ, PATH=path, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--force"], cwd=course, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
