@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import functools
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -122,6 +123,10 @@ def _flash_function(backend: str) -> Callable:
             from flash_attn import flash_attn_func
         else:
             from flash_attn.cute import flash_attn_func
+
+            # The CuTe DSL warns about FA4's own auxiliary argument on every new shape.
+            warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted",
+                                    category=UserWarning)
     except ImportError as err:
         hint = ("pip install flash-attn --no-build-isolation (FlashAttention-2, sm80+, compiles "
                 "against your CUDA)" if backend == "flash_attn" else
