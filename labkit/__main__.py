@@ -56,8 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out / "attention_sweep.csv", index=False)
     plots.sweep_plot(df, path=args.out / "attention_sweep.png")
-    table = df.pivot_table(index=["D", "causal", "N"], columns=["backend", "mode"], values="tflops").round(1)
-    print(table.to_string())
+    table = df.pivot_table(index=["D", "causal", "N"], columns=["backend", "mode"], values="tflops")
+    print(table.to_string(float_format=lambda x: f"{x:.3g}"))
+    gap = bench.auto_vs_best(df)
+    if not gap.empty:
+        gap.to_csv(args.out / "auto_vs_best.csv", index=False)
+        print("\nauto vs the fastest backend (auto_over_best >= 0.95 means within 5%):")
+        print(gap.round(3).to_string(index=False))
     print(f"wrote {args.out / 'attention_sweep.csv'} and {args.out / 'attention_sweep.png'}")
     return 0
 

@@ -277,7 +277,7 @@ def auto_choice(q, k, v, *, causal: bool = False) -> str:
     return _AUTO_CACHE[key]
 
 
-def _time_backend(name: str, q, k, v, causal: bool, needs_grad: bool, reps: int = 3) -> float | None:
+def _time_backend(name: str, q, k, v, causal: bool, needs_grad: bool, reps: int = 5) -> float | None:
     """Median seconds of one call (forward, or forward+backward); None if it fails."""
     q, k, v = (t.detach().requires_grad_(needs_grad) for t in (q, k, v))
 

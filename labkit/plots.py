@@ -76,7 +76,8 @@ def sweep_plot(df, *, metric: str = "tflops", path: str | Path | None = None):
         ax.set_ylabel(names.get(metric, metric))
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    axes.flat[0].legend(fontsize=8)
+    if panels:  # no "ok" row: an empty figure, without matplotlib's empty-legend warning
+        axes.flat[0].legend(fontsize=8)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, bbox_inches="tight")

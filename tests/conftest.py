@@ -1,0 +1,71 @@
+"""Shared fixtures for the labkit unit tests: seeded input builders and the `gpu` marker.
+
+Tests marked ``@pytest.mark.gpu`` need CUDA; they are skipped automatically where
+``torch.cuda.is_available()`` is False (CI, laptops) and run on the GPU machine.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MPLBACKEND", "Agg")  # before anything imports matplotlib: no display in tests
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The unit tests use tiny tensors: one intra-op thread avoids the thread spin-waiting that makes
+# them 10-50x slower on a small machine shared with other jobs (2 cores on CI).
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip every item marked ``gpu`` when CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+def seeded_randn(*shape: int, seed: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """N(0, 1) numbers drawn in float64 on the CPU from ``seed``, then cast and moved.
+
+    Drawing in one dtype on one device makes the values identical across dtypes and devices,
+    so a low-precision run and its float64 reference see the same inputs (up to rounding).
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+@pytest.fixture
+def randn():
+    """``randn(*shape, seed=..., dtype=..., device=...)``: see :func:`seeded_randn`."""
+    return seeded_randn
+
+
+@pytest.fixture
+def make_qkv():
+    """Builder of seeded q, k, v in a named layout.
+
+    ``make_qkv(B, H, N, D, Nk=None, dtype=float32, device="cpu", layout="bhnd",
+    requires_grad=False, seed=0)`` returns q [B, H, N, D] and k, v [B, H, Nk, D] for "bhnd",
+    or [B, N, H, D] / [B, Nk, H, D] for "bnhd"; each tensor is a leaf.
+    """
+
+    def build(B: int, H: int, N: int, D: int, *, Nk: int | None = None, dtype=torch.float32,
+              device="cpu", layout: str = "bhnd", requires_grad: bool = False, seed: int = 0):
+        Nk = N if Nk is None else Nk
+        out = []
+        for i, n in enumerate((N, Nk, Nk)):
+            shape = (B, H, n, D) if layout == "bhnd" else (B, n, H, D)
+            t = seeded_randn(*shape, seed=seed * 3 + i, dtype=dtype, device=device)
+            out.append(t.requires_grad_(requires_grad))
+        return tuple(out)
+
+    return build
+
+
+@pytest.fixture
+def cuda_device() -> torch.device:
+    """The current CUDA device (tests using it must also be marked ``gpu``)."""
+    return torch.device("cuda", torch.cuda.current_device())

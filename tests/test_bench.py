@@ -1,0 +1,248 @@
+"""Tests for labkit.bench: timing, peak memory, the FLOP model and the attention sweep."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+
+import labkit as lk
+
+B_ = lk.bench
+DOC_COLUMNS = ["backend", "B", "H", "N", "D", "causal", "mode", "status", "ms", "ms_p20", "ms_p80",
+               "tflops", "extra_mib", "max_err", "device", "dtype"]
+
+
+# ----------------------------------------------------------------------------- time_fn, peak_memory
+
+def test_time_fn_cpu_measures_the_call():
+    calls = []
+
+    def sleep_2ms():
+        calls.append(1)
+        time.sleep(0.002)
+
+    t = B_.time_fn(sleep_2ms, device="cpu", warmup=2, target_ms=30, min_reps=5, max_reps=50)
+    assert isinstance(t, B_.Timing)
+    assert t.p20_ms <= t.median_ms <= t.p80_ms
+    assert 2.0 <= t.median_ms < 50, f"a 2 ms sleep timed as {t.median_ms:.3f} ms"
+    assert 5 <= t.reps <= 50 and t.reps <= math.ceil(30 / 2.0)  # about target_ms / (time of one call)
+    assert len(calls) == 2 + t.reps, "warm-up calls plus one call per rep"
+
+
+def test_time_fn_rep_bounds():
+    fast = B_.time_fn(lambda: None, device="cpu", target_ms=1000, min_reps=3, max_reps=7)
+    assert fast.reps == 7, "a call far below target_ms is repeated max_reps times"
+    slow = B_.time_fn(lambda: time.sleep(0.003), device="cpu", warmup=0, target_ms=0.1, min_reps=4, max_reps=9)
+    assert slow.reps == 4, "a call longer than target_ms is still repeated min_reps times"
+
+
+def test_peak_memory_is_nan_on_cpu():
+    calls = []
+    assert math.isnan(B_.peak_memory(lambda: calls.append(torch.ones(1000)), device="cpu"))
+    assert len(calls) == 1
+
+
+def test_tflops():
+    assert B_.tflops(2e12, 1000.0) == pytest.approx(2.0)
+    assert B_.tflops(1e9, 1.0) == pytest.approx(1.0)
+
+
+def test_matmul_peak_and_copy_bandwidth_on_cpu():
+    assert 0 < B_.matmul_peak_tflops(device="cpu", dtype=torch.float32, n=64) < 100
+    assert 0 < B_.copy_bandwidth(device="cpu", mib=1) < 1e13
+
+
+# ----------------------------------------------------------------------------- FLOP model and configs
+
+def test_flops_formula():
+    flops = lk.attention.flops
+    assert flops(2, 3, 128, 64) == 4 * 2 * 3 * 128 * 128 * 64
+    assert flops(2, 3, 128, 64, causal=True) == 2 * 2 * 3 * 128 * 128 * 64
+    assert flops(2, 3, 128, 64, mode="fwd_bwd") == 3.5 * 4 * 2 * 3 * 128 * 128 * 64
+    assert flops(1, 1, 16, 8, causal=True, mode="fwd_bwd") == 3.5 * 2 * 16 * 16 * 8
+    assert flops(1, 2, 16, 8, nk=48) == 4 * 2 * 16 * 48 * 8
+
+
+@pytest.mark.parametrize("mode", ["bwd", "forward", ""])
+def test_flops_bad_mode(mode):
+    with pytest.raises(ValueError, match="mode must be 'fwd' or 'fwd_bwd'"):
+        lk.attention.flops(1, 1, 16, 8, mode=mode)
+
+
+def test_fixed_token_configs():
+    cfgs = B_.fixed_token_configs([128, 256, 512], [32, 64], tokens=1024, width=256)
+    assert [(c["N"], c["D"]) for c in cfgs] == [(128, 32), (256, 32), (512, 32), (128, 64), (256, 64), (512, 64)]
+    for c in cfgs:
+        assert set(c) == {"B", "H", "N", "D"}
+        assert c["B"] * c["N"] == 1024 and c["H"] * c["D"] == 256
+    # Never zero: a sequence longer than the token budget still gets one batch element.
+    assert B_.fixed_token_configs([4096], [512], tokens=1024, width=256) == [dict(B=1, H=1, N=4096, D=512)]
+
+
+@pytest.mark.parametrize("layout,shape", [("bhnd", (2, 3, 5, 4)), ("bnhd", (2, 5, 3, 4))])
+def test_attention_inputs_seeded(layout, shape):
+    a = B_.attention_inputs(2, 3, 5, 4, layout=layout, dtype=torch.float32, seed=1)
+    b = B_.attention_inputs(2, 3, 5, 4, layout=layout, dtype=torch.float32, seed=1)
+    c = B_.attention_inputs(2, 3, 5, 4, layout=layout, dtype=torch.float32, seed=2)
+    assert all(t.shape == shape for t in a)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0]) and not torch.equal(a[0], a[1])
+    g = B_.attention_inputs(1, 1, 2, 2, dtype=torch.bfloat16, requires_grad=True)
+    assert all(t.requires_grad and t.is_leaf and t.dtype == torch.bfloat16 for t in g)
+
+
+# ----------------------------------------------------------------------------- attention_sweep
+
+SMALL = B_.fixed_token_configs([32, 64], [16], tokens=128, width=32)  # 2 configs: B=4/2, H=2, D=16
+
+
+def _sweep(**kw):
+    kw.setdefault("dtype", torch.float32)
+    return B_.attention_sweep(SMALL, device="cpu", target_ms=1, progress=False, **kw)
+
+
+def test_attention_sweep_cpu_default_backends():
+    df = _sweep()
+    assert list(df.columns) == DOC_COLUMNS
+    assert set(df["backend"]) == {"reference", "sdpa_math", "sdpa_flash", "auto"}, "what runs on CPU, plus auto"
+    n_backends = df["backend"].nunique()
+    assert len(df) == len(SMALL) * 2 * 2 * n_backends
+    keys = ["B", "H", "N", "D", "causal", "mode", "backend"]
+    assert not df.duplicated(keys).any(), "one row per (config, causal, mode, backend)"
+    assert (df["status"] == "ok").all(), df.loc[df["status"] != "ok", ["backend", "status"]]
+    assert set(df["mode"]) == {"fwd", "fwd_bwd"} and set(df["causal"]) == {False, True}
+    assert (df["ms_p20"] <= df["ms"]).all() and (df["ms"] <= df["ms_p80"]).all() and (df["ms"] > 0).all()
+    assert (df["tflops"] > 0).all() and (df["max_err"] < 1e-5).all()  # fp32 vs fp32 reference
+    assert df["extra_mib"].isna().all(), "no allocator statistics on a CPU"
+    assert (df["device"] == lk.env.device_info("cpu").name).all() and (df["dtype"] == "float32").all()
+    row = df[(df["N"] == 64) & (df["causal"]) & (df["mode"] == "fwd_bwd")].iloc[0]
+    flop = lk.attention.flops(row["B"], row["H"], 64, 16, causal=True, mode="fwd_bwd")
+    assert row["tflops"] == pytest.approx(B_.tflops(flop, row["ms"]))
+
+
+def test_attention_sweep_records_unsupported_rows():
+    df = _sweep(backends=["sdpa_cudnn", "sdpa_math"], modes=("fwd",))
+    assert len(df) == len(SMALL) * 2 * 2
+    bad, good = df[df["backend"] == "sdpa_cudnn"], df[df["backend"] == "sdpa_math"]
+    assert bad["status"].str.startswith("unsupported: ").all() and bad["status"].str.contains("CUDA").all()
+    assert bad["ms"].isna().all() and (good["status"] == "ok").all()
+
+
+def test_attention_sweep_with_no_row_that_ran_keeps_the_columns():
+    df = _sweep(backends=["flash_attn"], causal=(True,), modes=("fwd",))
+    assert list(df.columns) == DOC_COLUMNS and len(df) == len(SMALL)
+    assert df["status"].str.startswith("unsupported").all() and df["tflops"].isna().all()
+
+
+def _failing_run(monkeypatch, backend: str, error: BaseException):
+    """Make one backend's kernel call raise ``error``; the others run for real."""
+    real = lk.attention._run
+
+    def run(name, *args, **kw):
+        if name == backend:
+            raise error
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(lk.attention, "_run", run)
+
+
+def test_attention_sweep_oom_row_and_continues(monkeypatch):
+    _failing_run(monkeypatch, "sdpa_math", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB"))
+    freed = []
+    real_free = B_.free_memory
+    monkeypatch.setattr(B_, "free_memory", lambda: freed.append(1) or real_free())
+    df = _sweep(backends=["sdpa_math", "reference"], causal=(False,))
+    assert len(df) == len(SMALL) * 2 * 2, "the sweep goes on after an out-of-memory row"
+    assert (df.loc[df["backend"] == "sdpa_math", "status"] == "oom").all()
+    assert (df.loc[df["backend"] == "reference", "status"] == "ok").all()
+    assert df.loc[df["status"] == "oom", "ms"].isna().all()
+    n_failed = int((df["status"] != "ok").sum())
+    assert len(freed) >= n_failed, "memory is freed after every failed row"
+
+
+@pytest.mark.parametrize("error,status", [
+    (RuntimeError("CUDA error: an illegal memory access\nmore detail"), "error: CUDA error: an illegal memory access"),
+    (ImportError("backend 'flash_attn' needs a package that is not installed"), "unsupported: backend 'flash_attn'"),
+])
+def test_attention_sweep_other_errors_are_rows(monkeypatch, error, status):
+    _failing_run(monkeypatch, "sdpa_flash", error)
+    df = _sweep(backends=["sdpa_flash", "sdpa_math"], causal=(False,), modes=("fwd",))
+    assert len(df) == len(SMALL) * 2
+    assert df.loc[df["backend"] == "sdpa_flash", "status"].str.startswith(status).all()
+    assert (df.loc[df["backend"] == "sdpa_math", "status"] == "ok").all()
+
+
+def test_is_oom():
+    assert B_.is_oom(torch.OutOfMemoryError("x"))
+    assert B_.is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried... out of memory"))
+    assert not B_.is_oom(RuntimeError("shape mismatch"))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+def test_time_fn_cuda_events_scale_with_work():
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    one = B_.time_fn(lambda: a @ a, device="cuda", warmup=3, target_ms=100)
+    eight = B_.time_fn(lambda: [a @ a for _ in range(8)], device="cuda", warmup=3, target_ms=100, flush_l2=True)
+    assert 0 < one.p20_ms <= one.median_ms <= one.p80_ms
+    # Asynchronous launches timed on the host without events would not scale with the GPU work.
+    assert 5 < eight.median_ms / one.median_ms < 12, (one, eight)
+
+
+@pytest.mark.gpu
+def test_peak_memory_cuda_counts_an_allocation():
+    n = 64 * 2**20
+    extra = B_.peak_memory(lambda: torch.empty(n, dtype=torch.uint8, device="cuda"), device="cuda")
+    assert n <= extra < n + 2 * 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash_attn", "fa4"])
+def test_peak_memory_reference_vs_flash(backend, make_qkv):
+    B, H, N, D, dtype = 1, 8, 4096, 64, torch.bfloat16
+    reason = lk.attention.why_not(backend, device="cuda", dtype=dtype, head_dim=D, causal=False, backward=False)
+    if reason:
+        pytest.skip(f"{backend} does not run here: {reason}")
+    q, k, v = make_qkv(B, H, N, D, dtype=dtype, device="cuda", layout=lk.attention.native_layout(backend))
+    layout = lk.attention.native_layout(backend)
+    scores_bytes = B * H * N * N * 2  # one bf16 N x N score matrix per head
+    out_bytes = B * H * N * D * 2  # the output, which every backend allocates
+
+    def run(name):
+        return lambda: lk.attention.attention(q, k, v, backend=name, layout=layout, nan_policy="ignore")
+
+    with torch.no_grad():
+        run(backend)()  # warm-up: lazy workspaces and JIT compilation are not per-call memory
+        ref = B_.peak_memory(run("reference"), device="cuda")
+        flash = B_.peak_memory(run(backend), device="cuda")
+    mib = 2**20
+    assert ref >= scores_bytes, f"reference extra {ref / mib:.1f} MiB < one score matrix {scores_bytes / mib:.1f} MiB"
+    # Beyond its output, a flash kernel's extra memory is O(N) (the lse), not O(N^2).
+    assert flash - out_bytes < 0.01 * scores_bytes, \
+        f"{backend} extra {flash / mib:.2f} MiB (output {out_bytes / mib:.2f} MiB); scores {scores_bytes / mib:.0f} MiB"
+
+
+@pytest.mark.gpu
+def test_attention_sweep_cuda_smoke():
+    cfgs = B_.fixed_token_configs([256], [64], tokens=1024, width=512)
+    df = B_.attention_sweep(cfgs, backends=["sdpa_math", "sdpa_efficient"], causal=(True,), modes=("fwd",),
+                            dtype=torch.bfloat16, device="cuda", target_ms=5, progress=False)
+    assert (df["status"] == "ok").all(), df["status"]
+    assert (df["extra_mib"] > 0).all() and (df["tflops"] > 0).all() and (df["max_err"] < 0.05).all()
+
+
+def test_auto_vs_best():
+    import pandas as pd
+
+    rows = [dict(backend=b, D=64, causal=c, N=n, mode="fwd", status=s, tflops=t)
+            for c, n, b, s, t in [(False, 128, "sdpa_math", "ok", 2.0), (False, 128, "sdpa_flash", "ok", 4.0),
+                                  (False, 128, "auto", "ok", 3.8), (False, 128, "reference", "oom", float("nan")),
+                                  (True, 128, "sdpa_math", "ok", 1.0)]]  # no auto row: left out
+    gap = B_.auto_vs_best(pd.DataFrame(rows))
+    assert len(gap) == 1
+    row = gap.iloc[0]
+    assert (row["best"], row["best_tflops"], row["auto_tflops"]) == ("sdpa_flash", 4.0, 3.8)
+    assert row["auto_over_best"] == pytest.approx(0.95)

@@ -1,0 +1,160 @@
+"""Tests for labkit.grading: each helper passes on right answers and explains wrong ones in Chinese."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import labkit as lk
+
+G = lk.grading
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def fails(fn, *args, **kwargs) -> str:
+    """Run a check that must fail; return its message after checking it is Chinese and tagged."""
+    with pytest.raises(AssertionError) as info:
+        fn(*args, **kwargs)
+    msg = str(info.value)
+    assert CJK.search(msg), f"message should be in Chinese: {msg}"
+    assert msg.startswith(f"[{kwargs['name']}] "), f"message should name the exercise: {msg}"
+    return msg
+
+
+# ----------------------------------------------------------------------------- check_tensor
+
+def test_check_tensor_passes():
+    e = torch.tensor([[1.0, -2.0], [float("-inf"), 4.0]])
+    G.check_tensor(e + 1e-4, e, name="t", atol=1e-3)
+    G.check_tensor((e * 1.01).half(), e, name="t", atol=0, rtol=0.02)  # rtol and any float dtype
+    G.check_tensor(e.clone().requires_grad_(), e, name="t", atol=0)  # autograd tensors are fine
+
+
+def test_check_tensor_wrong_type():
+    msg = fails(G.check_tensor, [[1.0, 2.0]], torch.ones(1, 2), name="ex1", atol=1e-3)
+    assert "應回傳 torch.Tensor" in msg and "list" in msg
+
+
+def test_check_tensor_wrong_shape():
+    msg = fails(G.check_tensor, torch.ones(2, 3), torch.ones(3, 2), name="ex1", atol=1e-3)
+    assert "形狀（shape）應為 (3, 2)" in msg and "(2, 3)" in msg and "transpose" in msg
+    msg = fails(G.check_tensor, torch.ones(2, 3, 1), torch.ones(2, 3), name="ex1", atol=1e-3, hint="看 keepdim")
+    assert "提示（hint）：看 keepdim" in msg
+
+
+def test_check_tensor_wrong_values():
+    e = torch.zeros(3, 4)
+    a = e.clone()
+    a[1, 2] = 0.5
+    msg = fails(G.check_tensor, a, e, name="ex2", atol=1e-2, hint="檢查縮放")
+    assert "數值不符" in msg and "0.5" in msg and "(1, 2)" in msg and "atol=0.01" in msg
+    assert "提示（hint）：檢查縮放" in msg
+    fails(G.check_tensor, e + 0.011, e, name="ex2", atol=1e-2)  # just outside atol
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_check_tensor_nan(bad):
+    e = torch.ones(4)
+    a = e.clone()
+    a[2] = bad
+    msg = fails(G.check_tensor, a, e, name="ex3", atol=1e-3)
+    assert "NaN 或 Inf" in msg and "exp" in msg
+
+
+def test_check_tensor_nan_where_expected_has_inf_elsewhere():
+    # An lse row can legitimately be -inf (a fully masked row); a NaN next to it is still wrong.
+    e = torch.tensor([float("-inf"), 1.0])
+    fails(G.check_tensor, torch.tensor([float("-inf"), float("nan")]), e, name="lse", atol=1e-3)
+    fails(G.check_tensor, torch.tensor([float("inf"), 1.0]), e, name="lse", atol=1e-3)  # wrong-sign inf
+    G.check_tensor(torch.tensor([float("-inf"), 1.0]), e, name="lse", atol=0)
+
+
+# ----------------------------------------------------------------------------- check_scalar
+
+@pytest.mark.parametrize("value", [2.0, 2, torch.tensor(2.0), torch.tensor([2.0]), np.float32(2.0), np.int64(2)])
+def test_check_scalar_passes(value):
+    G.check_scalar(value, 2.0, name="s", rel=1e-6)
+
+
+def test_check_scalar_tolerances():
+    G.check_scalar(1.05, 1.0, name="s", rel=0.1)
+    G.check_scalar(1e-9, 0.0, name="s", abs_tol=1e-8)
+    msg = fails(G.check_scalar, 1.2, 1.0, name="s", rel=0.1, hint="FLOPs 要乘 4")
+    assert "應為 1" in msg and "1.2" in msg and "FLOPs 要乘 4" in msg
+
+
+@pytest.mark.parametrize("value", ["2.0", None, True, torch.ones(2), [2.0]])
+def test_check_scalar_wrong_type(value):
+    assert "應回傳一個數字" in fails(G.check_scalar, value, 2.0, name="s")
+
+
+def test_check_scalar_nan():
+    assert "nan" in fails(G.check_scalar, float("nan"), 2.0, name="s", rel=1.0)
+
+
+# ----------------------------------------------------------------------------- the others
+
+def test_check_true():
+    G.check_true(True, name="c", detail="x")
+    msg = fails(G.check_true, False, name="c", detail="記憶體應該更少", hint="用 peak_memory")
+    assert "記憶體應該更少" in msg and "用 peak_memory" in msg
+
+
+def test_check_raises():
+    G.check_raises(lambda: int("x"), ValueError, name="r")
+    msg = fails(G.check_raises, lambda: None, ValueError, name="r")
+    assert "ValueError" in msg and "沒有拋出" in msg
+    msg = fails(G.check_raises, lambda: {}["k"], ValueError, name="r")
+    assert "KeyError" in msg and "ValueError" in msg
+
+
+def test_passed(capsys):
+    G.passed("練習 1")
+    out = capsys.readouterr().out
+    assert "練習 1" in out and "通過" in out
+
+
+# ----------------------------------------------------------------------------- check_own_code
+
+def calls_lk(q, k, v):
+    return lk.attention.reference_attention(q, k, v)[0]
+
+
+def imports_labkit(q, k, v):
+    from labkit.attention import reference_attention
+    return reference_attention(q, k, v)[0]
+
+
+def aliases_labkit(q, k, v):
+    import labkit as kit
+    return kit.attention.reference_attention(q, k, v)[0]
+
+
+def own_code(q, k, v):
+    """Unlike lk.attention.reference_attention, this is written out (docstrings do not count)."""
+    q_blk = q  # names such as q_blk. or bulk. are not lk. (nor are comments)
+    s = q_blk.matmul(k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    return torch.softmax(s, dim=-1) @ v
+
+
+class Solution:
+    def method(self, x):
+        return lk.attention.flops(1, 1, x, 8)
+
+
+@pytest.mark.parametrize("fn", [calls_lk, imports_labkit, aliases_labkit, Solution().method,
+                                lambda n: lk.attention.flops(1, 1, n, 8)])
+def test_check_own_code_rejects_labkit(fn):
+    msg = fails(G.check_own_code, fn, name="attn")
+    assert "不可呼叫 labkit" in msg
+
+
+def test_check_own_code_accepts_own_code():
+    G.check_own_code(own_code, name="attn")
+    G.check_own_code(lambda x: x.sum(), name="attn")
+
+
+def test_check_own_code_without_source():
+    assert "找不到函式原始碼" in fails(G.check_own_code, len, name="attn")
