@@ -20,7 +20,7 @@ lab: setup            ## open the course in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks/
 
 test: setup           ## unit tests, release consistency, autograde round trip, solution notebooks (cpu profile)
-	LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadfile tests/ \
+	LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests/ \
 	  --nbval-lax --nbval-current-env solutions/
 
 release: setup        ## regenerate notebooks/ from solutions/

@@ -43,7 +43,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         scale: float | None = None, mask: torch.Tensor | None = None):
     """Standard attention with the N x Nk score matrix materialized.
 
-    Matmuls run in the input dtype, the softmax in fp32 (as most frameworks do).
+    Matmuls run in the input dtype, the softmax in fp32 (as most frameworks do; fp64 inputs stay fp64).
 
     Args:
         q: [..., N, D]; k, v: [..., Nk, D] (any leading dims, e.g. B, H).
@@ -52,11 +52,12 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         mask: optional bool tensor broadcastable to [..., N, Nk]; True = may attend.
 
     Returns:
-        (o, lse): o [..., N, D] in q's dtype; lse [..., N] fp32 log-sum-exp of the scaled
+        (o, lse): o [..., N, D] in q's dtype; lse [..., N] fp32 (fp64 for fp64 inputs) log-sum-exp of the scaled
         scores per query (-inf for a row with no visible key, whose output is 0).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)).float() * scale  # [..., N, Nk]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    scores = (q @ k.transpose(-2, -1)).to(acc) * scale  # [..., N, Nk]
     keep = causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
     if mask is not None:
         keep = mask if keep is None else keep & mask

@@ -129,14 +129,19 @@ def attention_inputs(B: int, H: int, N: int, D: int, *, layout: str = "bhnd", dt
 
 
 def measure_attention(backend: str, cfg: dict, *, causal: bool, mode: str, dtype, device,
-                      target_ms: float = 100.0) -> dict:
-    """One benchmark row: time, TFLOP/s, extra memory and error vs fp32 for one backend and shape."""
-    layout = attn.native_layout(backend)
+                      target_ms: float = 100.0, fn: Callable | None = None) -> dict:
+    """One benchmark row: time, TFLOP/s, extra memory and error vs fp32 for one backend and shape.
+
+    ``fn(q, k, v, causal) -> o`` on [B, H, N, D] tensors measures a custom implementation
+    (e.g. a student's) under the name ``backend`` instead of a labkit backend.
+    """
+    layout = "bhnd" if fn is not None else attn.native_layout(backend)
     needs_grad = mode == "fwd_bwd"
     q, k, v = attention_inputs(**cfg, layout=layout, dtype=dtype, device=device, requires_grad=needs_grad)
 
     def call():
-        o = attn.attention(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy="ignore")
+        o = (fn(q, k, v, causal) if fn is not None else
+             attn.attention(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy="ignore"))
         if needs_grad:
             o.backward(torch.ones_like(o))
         return o
@@ -165,6 +170,7 @@ SWEEP_COLUMNS = ["backend", "B", "H", "N", "D", "causal", "mode", "status", "ms"
 def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = None,
                     causal: Iterable[bool] = (False, True), modes: Iterable[str] = ("fwd", "fwd_bwd"),
                     dtype=torch.bfloat16, device=None, target_ms: float = 100.0,
+                    custom: dict[str, Callable] | None = None, custom_max_n: int | None = None,
                     progress: bool = True) -> pd.DataFrame:
     """Benchmark backends over configurations; one row per (config, causal, mode, backend).
 
@@ -173,6 +179,8 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
         backends: names from ``labkit.attention.BACKENDS`` or "auto"; default: every one that
             runs here, plus "auto".
         dtype, device: input dtype and device (default: CUDA if available).
+        custom: extra implementations ``{name: fn(q, k, v, causal) -> o}`` on bhnd tensors, measured
+            like the backends at every N <= ``custom_max_n`` (slow Python loops: keep N small).
 
     Returns:
         DataFrame with columns backend, B, H, N, D, causal, mode, status ("ok", "oom" or the
@@ -184,16 +192,21 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
     if backends is None:
         backends = [b for b in attn.BACKENDS
                     if attn.why_not(b, device=device, dtype=dtype, head_dim=configs[0]["D"]) is None] + ["auto"]
-    jobs = [(cfg, c, m, b) for cfg in configs for c in causal for m in modes for b in backends]
+    custom = custom or {}
+    names = list(backends) + list(custom)
+    jobs = [(cfg, c, m, b) for cfg in configs for c in causal for m in modes for b in names
+            if b not in custom or custom_max_n is None or cfg["N"] <= custom_max_n]
     info = device_info(device)
     rows = []
     for cfg, c, m, b in tqdm(jobs, desc="attention sweep", disable=not progress):
         row = dict(backend=b, **cfg, causal=c, mode=m, device=info.name, dtype=str(dtype).replace("torch.", ""))
         try:
             row.update(status="ok", **measure_attention(b, cfg, causal=c, mode=m, dtype=dtype, device=device,
-                                                        target_ms=target_ms))
+                                                        target_ms=target_ms, fn=custom.get(b)))
         except (attn.AttentionInputError, ImportError) as err:  # ImportError: flash package missing
             row["status"] = f"unsupported: {err}"
+        except NotImplementedError:
+            row["status"] = "not implemented"
         except (RuntimeError, MemoryError) as err:
             row["status"] = "oom" if is_oom(err) else f"error: {str(err).splitlines()[0][:120]}"
         if device.type == "cuda" or row["status"] != "ok":  # gc.collect costs ~0.2 s: skip it on

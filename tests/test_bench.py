@@ -246,3 +246,21 @@ def test_auto_vs_best():
     row = gap.iloc[0]
     assert (row["best"], row["best_tflops"], row["auto_tflops"]) == ("sdpa_flash", 4.0, 3.8)
     assert row["auto_over_best"] == pytest.approx(0.95)
+
+
+def test_attention_sweep_measures_custom_implementations_up_to_their_max_n():
+    def mine(q, k, v, causal):
+        return lk.attention.reference_attention(q, k, v, causal=causal)[0]
+
+    def unfinished(q, k, v, causal):
+        raise NotImplementedError
+
+    configs = lk.bench.fixed_token_configs([32, 64], [16], tokens=64, width=32)
+    df = lk.bench.attention_sweep(configs, backends=["sdpa_math"], custom={"mine": mine, "todo": unfinished},
+                                  custom_max_n=32, modes=("fwd",), causal=(True,), dtype=torch.float32,
+                                  device="cpu", target_ms=1, progress=False)
+    assert sorted(df[df["backend"] == "mine"]["N"]) == [32]          # N=64 > custom_max_n: not run
+    assert (df[df["backend"] == "mine"]["status"] == "ok").all()
+    assert float(df[df["backend"] == "mine"]["max_err"].iloc[0]) < 1e-5
+    assert (df[df["backend"] == "todo"]["status"] == "not implemented").all()
+    assert len(df[df["backend"] == "sdpa_math"]) == 2
