@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import time
 import warnings
 from typing import Callable
 
@@ -227,6 +226,7 @@ def _static_problem(backend: str, q, k, *, causal: bool) -> str | None:
     return None
 
 
+@functools.cache
 def _sm(device: torch.device) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     return 10 * major + minor
@@ -278,8 +278,10 @@ def auto_choice(q, k, v, *, causal: bool = False) -> str:
     return _AUTO_CACHE[key]
 
 
-def _time_backend(name: str, q, k, v, causal: bool, needs_grad: bool, reps: int = 5) -> float | None:
-    """Median seconds of one call (forward, or forward+backward); None if it fails."""
+def _time_backend(name: str, q, k, v, causal: bool, needs_grad: bool) -> float | None:
+    """Median milliseconds of one call (forward, or forward+backward); None if it fails."""
+    from .bench import time_fn  # bench imports this module
+
     q, k, v = (t.detach().requires_grad_(needs_grad) for t in (q, k, v))
 
     def step():
@@ -288,27 +290,10 @@ def _time_backend(name: str, q, k, v, causal: bool, needs_grad: bool, reps: int 
             o.backward(torch.ones_like(o))
 
     try:
-        with torch.enable_grad() if needs_grad else torch.no_grad():
-            step()  # warm-up, JIT compilation, and a check that it runs
-            times = []
-            for _ in range(reps):
-                times.append(_timed(step, q.device))
+        with torch.set_grad_enabled(needs_grad):  # the warm-up compiles kernels and checks it runs
+            return time_fn(step, device=q.device, warmup=1, target_ms=20.0, min_reps=5, max_reps=50).median_ms
     except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError, ImportError):
         return None
-    return sorted(times)[len(times) // 2]
-
-
-def _timed(fn: Callable, device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def flops(batch: int, heads: int, n: int, head_dim: int, *, causal: bool = False,

@@ -42,9 +42,11 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
             min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False) -> Timing:
     """Time ``fn()`` the right way for the device.
 
-    GPU: CUDA events around each call (no Python timer, no implicit sync inside), after
-    ``warmup`` calls; the number of reps fills about ``target_ms``. ``flush_l2`` overwrites a
-    256 MiB buffer before each call so no input is served from L2 cache.
+    GPU: a start and an end CUDA event around each call, the calls queued back to back and one
+    synchronize at the end (as ``triton.testing.do_bench`` does), after ``warmup`` calls. The
+    CPU runs ahead of the GPU, so Python launch overhead costs time only when launching is
+    slower than the kernels themselves. The number of reps fills about ``target_ms``.
+    ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2.
     CPU: ``time.perf_counter`` around each call.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -52,26 +54,32 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
         fn()
     _sync(device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
-    first = _one_call_ms(fn, device, flush)
-    reps = int(min(max_reps, max(min_reps, target_ms / max(first, 1e-3))))
-    times = sorted([first] + [_one_call_ms(fn, device, flush) for _ in range(reps - 1)])
+    times = _calls_ms(fn, device, flush, min_reps)
+    estimate = sorted(times)[len(times) // 2]
+    reps = int(min(max_reps, max(min_reps, target_ms / max(estimate, 1e-3))))
+    times = sorted(times + _calls_ms(fn, device, flush, reps - len(times)))
     pick = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     return Timing(pick(0.5), pick(0.2), pick(0.8), len(times))
 
 
-def _one_call_ms(fn, device: torch.device, flush: torch.Tensor | None) -> float:
+def _calls_ms(fn, device: torch.device, flush: torch.Tensor | None, reps: int) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn``."""
     if device.type != "cuda":
-        t0 = time.perf_counter()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        if flush is not None:
+            flush.zero_()
+        start.record()
         fn()
-        return (time.perf_counter() - t0) * 1e3
-    if flush is not None:
-        flush.zero_()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def peak_memory(fn: Callable[[], object], *, device=None) -> float:
