@@ -45,7 +45,8 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
     GPU: a start and an end CUDA event around each call, the calls queued back to back and one
     synchronize at the end (as ``triton.testing.do_bench`` does), after ``warmup`` calls. The
     CPU runs ahead of the GPU, so Python launch overhead costs time only when launching is
-    slower than the kernels themselves. The number of reps fills about ``target_ms``.
+    slower than the kernels themselves. A warm-up of about ``target_ms / 4`` follows the
+    ``warmup`` calls (GPU clocks run high after a pause); the reps then fill about ``target_ms``.
     ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2.
     CPU: ``time.perf_counter`` around each call.
     """
@@ -54,12 +55,22 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
         fn()
     _sync(device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
-    times = _calls_ms(fn, device, flush, min_reps)
-    estimate = sorted(times)[len(times) // 2]
+    estimate = sorted(_calls_ms(fn, device, flush, min_reps))[min_reps // 2]
+    if warmup:  # settle clocks for about a quarter of the budget, like do_bench's warm-up
+        _calls_ms(fn, device, flush, int(min(max_reps, 0.25 * target_ms / max(estimate, 1e-3))))
     reps = int(min(max_reps, max(min_reps, target_ms / max(estimate, 1e-3))))
-    times = sorted(times + _calls_ms(fn, device, flush, reps - len(times)))
+    times = sorted(_calls_ms(fn, device, flush, reps))
     pick = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     return Timing(pick(0.5), pick(0.2), pick(0.8), len(times))
+
+
+def call_ms(fn: Callable[[], object], *, device=None) -> float:
+    """Milliseconds of one call of ``fn`` (CUDA events and a synchronize on a GPU).
+
+    For work that runs once, such as one training step; use :func:`time_fn` to time repeats.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return _calls_ms(fn, device, None, 1)[0]
 
 
 def _calls_ms(fn, device: torch.device, flush: torch.Tensor | None, reps: int) -> list[float]:

@@ -435,7 +435,7 @@ def train_amp(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module,
         for i, batch in enumerate(batches):
             if monitor is not None:
                 monitor.step = i
-            ms = bench._one_call_ms(lambda: rows.append(step(i, batch)), device, None)
+            ms = bench.call_ms(lambda: rows.append(step(i, batch)), device=device)
             rows[-1]["ms"] = ms
 
     previous = torch.get_float32_matmul_precision()

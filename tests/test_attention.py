@@ -236,20 +236,33 @@ def test_auto_runs_and_is_correct(make_qkv):
 
 def test_auto_is_cached_per_shape(monkeypatch, make_qkv):
     monkeypatch.setattr(A, "_AUTO_CACHE", {})
-    timed = []
-    real = A._time_backend
-    monkeypatch.setattr(A, "_time_backend", lambda name, *a, **kw: timed.append(name) or real(name, *a, **kw))
+    built = []
+    real = A._step
+    monkeypatch.setattr(A, "_step", lambda name, *a, **kw: built.append(name) or real(name, *a, **kw))
 
     first = A.auto_choice(*make_qkv(1, 2, 32, 16))
-    candidates = sorted(timed)
-    assert candidates == ["sdpa_flash", "sdpa_math"], "for CPU tensors only the CPU SDPA kernels are candidates"
+    candidates = sorted(built)
+    assert candidates == ["sdpa_flash"], "on CPU the fused SDPA kernel is the only candidate (math only as fallback)"
     assert first in candidates
     assert A.auto_choice(*make_qkv(1, 2, 32, 16, seed=7)) == first  # same shape, new values: cached
-    assert len(timed) == len(candidates)
+    assert len(built) == len(candidates)
     A.auto_choice(*make_qkv(1, 2, 40, 16))  # a new shape is timed again
-    assert len(timed) == 2 * len(candidates)
+    assert len(built) == 2 * len(candidates)
     A.auto_choice(*make_qkv(1, 2, 40, 16), causal=True)  # so is causal
-    assert len(timed) == 3 * len(candidates)
+    assert len(built) == 3 * len(candidates)
+
+
+def test_auto_falls_back_to_math_when_no_fused_kernel_runs(monkeypatch, make_qkv):
+    monkeypatch.setattr(A, "_AUTO_CACHE", {})
+    q, k, v = make_qkv(1, 2, 16, 16, Nk=24)  # SDPA's fused kernels are refused for causal N != Nk ...
+    assert A.auto_choice(q, k, v, causal=False) == "sdpa_flash"
+    real = A._static_problem
+    monkeypatch.setattr(A, "_static_problem",  # ... and now every fused one
+                        lambda name, *a, **kw: None if name == "sdpa_math" else "refused")
+    monkeypatch.setattr(A, "_AUTO_CACHE", {})
+    assert A.auto_choice(q, k, v, causal=False) == "sdpa_math"
+    monkeypatch.setattr(A, "_static_problem", real)
+    assert A.auto_choice(q, k, v, causal=True) == "reference"  # nothing else aligns bottom-right here
 
 
 def test_auto_with_causal_unequal_lengths_keeps_bottom_right(make_qkv):
