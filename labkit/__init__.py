@@ -1,9 +1,9 @@
 """labkit: helpers for the course "Lab-1.5: FlashAttention Deep Dive".
 
 Notebooks use ``import labkit as lk`` and reach each module as ``lk.env``, ``lk.attention``,
-``lk.bench``, ``lk.profiles``, ``lk.grading``, ``lk.plots`` and ``lk.precision``.
+``lk.bench``, ``lk.profiles``, ``lk.grading``, ``lk.plots``, ``lk.precision`` and ``lk.amp``.
 """
-from . import attention, bench, env, gpt2, grading, longctx, plots, precision, profiles, profiling
+from . import amp, attention, bench, env, gpt2, grading, longctx, perfmodel, plots, precision, profiles, profiling
 
 __version__ = "0.1.0"
-__all__ = ["attention", "bench", "env", "gpt2", "grading", "longctx", "plots", "precision", "profiles", "profiling"]
+__all__ = ["amp", "attention", "bench", "env", "gpt2", "grading", "longctx", "perfmodel", "plots", "precision", "profiles", "profiling"]

@@ -7,7 +7,7 @@
 - Levers: :class:`Checkpointed` (``torch.utils.checkpoint``, ``use_reentrant=False``; for Hugging
   Face models use ``lk.gpt2.enable_checkpointing``), :func:`chunked_cross_entropy` (never holds
   N x vocab logits), :func:`rope_cache` / :func:`apply_rope` (rotary positions).
-- Memory: :func:`memory_model` (``lk.profiling.training_memory`` plus the chunked-loss lever),
+- Memory: :func:`memory_model` (``lk.perfmodel.training_memory`` plus the chunked-loss lever),
   :func:`saved_tensor_bytes` (what autograd keeps for the backward: measurable on a CPU too),
   :func:`longest_sequence` (the largest N one training step fits, per configuration, on a GPU).
 
@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import bench
 from .env import default_device
-from .profiling import MemoryCoefficients, ModelShape, training_memory
+from .perfmodel import MemoryCoefficients, ModelShape, training_memory
 
 DOC_SEPARATOR = 0  # byte between documents (never occurs in Python source)
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
@@ -275,25 +275,47 @@ ACTIVATION_KEYS = ("activations", "attention", "logits")  # the terms that grow 
 def memory_model(shape: ModelShape, *, batch: int, seq_len: int, attention: str = "flash",
                  checkpointing: bool = False, chunked_loss: bool = False, chunk_size: int = 4096,
                  coef: MemoryCoefficients = MemoryCoefficients()) -> dict[str, float]:
-    """Predicted peak bytes of one training step, by component (see ``lk.profiling.training_memory``).
+    """Predicted peak bytes of one training step, by component (see ``lk.perfmodel.training_memory``).
 
     Per layer, ``B*N*h*coef.hidden`` bytes of activations plus, for standard attention, the scores
     ``B*H*N^2*coef.scores`` (FlashAttention keeps ``B*N*H*coef.lse`` instead); checkpointing keeps
     ``B*N*h*coef.checkpoint`` per layer plus one layer's activations while it is recomputed; the
-    loss holds ``B*N*V*coef.logits`` (bf16 logits, their fp32 copy, the gradient) unless
-    ``chunked_loss``: then ``B*chunk_size*V*coef.logits`` plus a 4-byte log-sum-exp per position.
+    loss holds ``B*N*V*coef.logits`` (bf16 logits, their fp32 copy, the gradient).
+
+    ``chunked_loss`` (:func:`chunked_cross_entropy` over the ``R = B*(N-1)`` shifted positions of
+    :func:`lm_loss`; chunks of ``c1 = min(chunk_size, R)``, then ``c2 = min(chunk_size, R - c1)`` rows)
+    has two candidate peaks; the larger is returned, by component:
+
+    - in the loss: ``logits = max(8*c1, 6*(c1 + c2))*V + 4*B*N``, independent of N once there are
+      two full chunks. One chunk: the fp32 logits plus logsumexp's fp32 temporary (8 bytes); several:
+      the backward makes the next chunk's bf16 logits and fp32 softmax (6 bytes) while the previous
+      chunk's fp32 softmax and bf16 gradient (6 bytes) are still bound. With it: weights, optimizer,
+      the tied lm_head's gradient and bf16 copy only (``(coef.grad + coef.cast)*V*h``), the saved
+      activations but no recomputed layer, and ``12*B*N*h`` (ln_f's fp32 input, output, gradient).
+    - in the layers' backward (long N with checkpointing): ``training_memory`` with ``logits = 0``
+      (the loss's buffers are freed by then).
 
     Returns:
         dict with weights, grads, optimizer, casts, activations, attention, logits, total (bytes).
     """
     out = training_memory(shape, batch=batch, seq_len=seq_len, attention=attention,
                           checkpointing=checkpointing, coef=coef)
-    if chunked_loss:
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
-        out["logits"] = batch * min(chunk_size, seq_len) * shape.vocab * coef.logits + 4.0 * batch * seq_len
-        out["total"] = sum(v for k, v in out.items() if k != "total")
-    return out
+    if not chunked_loss:
+        return out
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}.")
+    t, h, V = batch * seq_len, shape.n_embd, shape.vocab
+    rows = batch * max(seq_len - 1, 1)
+    c1 = min(chunk_size, rows)
+    c2 = min(chunk_size, rows - c1)
+    layers = dict(out, logits=0.0)
+    loss = dict(out, grads=coef.grad * V * h, casts=coef.cast * V * h, logits=max(8 * c1, 6 * (c1 + c2)) * V + 4.0 * t)
+    if checkpointing:  # only the layer inputs: no layer is being recomputed during the loss
+        loss.update(activations=shape.n_layer * t * h * coef.checkpoint, attention=0.0)
+    loss["activations"] += 12.0 * t * h
+    for part in (layers, loss):
+        part["total"] = sum(v for k, v in part.items() if k != "total")
+    return max(loss, layers, key=lambda part: part["total"])
 
 
 def saved_tensor_bytes(fn: Callable[[], object], *, exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -329,7 +351,7 @@ CONFIGS = {  # name: (attn_implementation, activation checkpointing, chunked los
 
 
 def model_shape(config) -> ModelShape:
-    """The :class:`~labkit.profiling.ModelShape` of a ``GPT2Config`` (e.g. ``model.config``)."""
+    """The :class:`~labkit.perfmodel.ModelShape` of a ``GPT2Config`` (e.g. ``model.config``)."""
     return ModelShape(config.n_layer, config.n_embd, config.n_head, vocab=config.vocab_size,
                       n_positions=config.n_positions)
 
