@@ -147,12 +147,12 @@ def attention_inputs(B: int, H: int, N: int, D: int, *, layout: str = "bhnd", dt
                  for _ in range(3))
 
 
-def measure_attention(backend: str, cfg: dict, *, causal: bool, mode: str, dtype, device,
-                      target_ms: float = 100.0, fn: Callable | None = None) -> dict:
-    """One benchmark row: time, TFLOP/s, extra memory and error vs fp32 for one backend and shape.
+def _attention_call(backend: str, cfg: dict, *, causal: bool, mode: str, dtype, device,
+                    fn: Callable | None = None):
+    """Fresh inputs and one call for a benchmark row: (call, q, k, v, layout).
 
-    ``fn(q, k, v, causal) -> o`` on [B, H, N, D] tensors measures a custom implementation
-    (e.g. a student's) under the name ``backend`` instead of a labkit backend.
+    ``fn(q, k, v, causal) -> o`` on [B, H, N, D] tensors stands in for a labkit backend
+    (e.g. a student's implementation measured under the name ``backend``).
     """
     layout = "bhnd" if fn is not None else attn.native_layout(backend)
     needs_grad = mode == "fwd_bwd"
@@ -165,14 +165,50 @@ def measure_attention(backend: str, cfg: dict, *, causal: bool, mode: str, dtype
             o.backward(torch.ones_like(o))
         return o
 
-    with torch.set_grad_enabled(needs_grad):
-        err = _sampled_error(call(), q, k, v, causal=causal, layout=layout)
-        extra = peak_memory(call, device=device)
-        timing = time_fn(call, device=device, target_ms=target_ms)
-    return dict(ms=timing.median_ms, ms_p20=timing.p20_ms, ms_p80=timing.p80_ms,
-                tflops=tflops(attn.flops(cfg["B"], cfg["H"], cfg["N"], cfg["D"], causal=causal, mode=mode),
-                              timing.median_ms),
-                extra_mib=extra / 2**20, max_err=err)
+    return call, q, k, v, layout
+
+
+def _failure(err: BaseException) -> str:
+    """The status column for a row that raised ``err``."""
+    if isinstance(err, (attn.AttentionInputError, ImportError)):  # ImportError: flash package missing
+        return f"unsupported: {err}"
+    if isinstance(err, NotImplementedError):
+        return "not implemented"
+    return "oom" if is_oom(err) else f"error: {str(err).splitlines()[0][:120]}"
+
+
+_ROW_ERRORS = (attn.AttentionInputError, ImportError, NotImplementedError, RuntimeError, MemoryError)
+
+
+def _measure_group(rows: dict[str, dict], cfg: dict, *, causal: bool, mode: str, dtype, device,
+                   target_ms: float, rounds: int, custom: dict[str, Callable]) -> None:
+    """Fill ``rows`` (one per backend, same configuration): error and extra memory per backend,
+    then time in ``rounds`` interleaved rounds so that a GPU clock drifting during the group
+    favours no backend; ms is the median of the rounds' medians."""
+    calls = {}
+    with torch.set_grad_enabled(mode == "fwd_bwd"):
+        for name, row in rows.items():
+            try:
+                call, q, k, v, layout = _attention_call(name, cfg, causal=causal, mode=mode, dtype=dtype,
+                                                        device=device, fn=custom.get(name))
+                row["max_err"] = _sampled_error(call(), q, k, v, causal=causal, layout=layout)
+                row["extra_mib"] = peak_memory(call, device=device) / 2**20
+                calls[name], row["status"] = call, "ok"
+            except _ROW_ERRORS as err:
+                row["status"] = _failure(err)
+        timings: dict[str, list[Timing]] = {name: [] for name in calls}
+        for _ in range(rounds):
+            for name in list(calls):
+                try:
+                    timings[name].append(time_fn(calls[name], device=device, target_ms=target_ms / rounds))
+                except _ROW_ERRORS as err:
+                    rows[name]["status"] = _failure(err)
+                    del calls[name], timings[name]
+    flop = attn.flops(cfg["B"], cfg["H"], cfg["N"], cfg["D"], causal=causal, mode=mode)
+    for name, runs in timings.items():
+        mid = lambda key: sorted(getattr(t, key) for t in runs)[len(runs) // 2]  # noqa: E731
+        rows[name].update(ms=mid("median_ms"), ms_p20=mid("p20_ms"), ms_p80=mid("p80_ms"),
+                          tflops=tflops(flop, mid("median_ms")))
 
 
 def _sampled_error(o, q, k, v, *, causal: bool, layout: str, heads: int = 2) -> float:
@@ -190,7 +226,7 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
                     causal: Iterable[bool] = (False, True), modes: Iterable[str] = ("fwd", "fwd_bwd"),
                     dtype=torch.bfloat16, device=None, target_ms: float = 100.0,
                     custom: dict[str, Callable] | None = None, custom_max_n: int | None = None,
-                    progress: bool = True) -> pd.DataFrame:
+                    rounds: int = 3, progress: bool = True) -> pd.DataFrame:
     """Benchmark backends over configurations; one row per (config, causal, mode, backend).
 
     Args:
@@ -200,6 +236,8 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
         dtype, device: input dtype and device (default: CUDA if available).
         custom: extra implementations ``{name: fn(q, k, v, causal) -> o}`` on bhnd tensors, measured
             like the backends at every N <= ``custom_max_n`` (slow Python loops: keep N small).
+        target_ms: timing budget per row, split over ``rounds`` interleaved rounds in which every
+            backend of one configuration is timed once (clock drift then favours none of them).
 
     Returns:
         DataFrame with columns backend, B, H, N, D, causal, mode, status ("ok", "oom" or the
@@ -213,24 +251,20 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
                     if attn.why_not(b, device=device, dtype=dtype, head_dim=configs[0]["D"]) is None] + ["auto"]
     custom = custom or {}
     names = list(backends) + list(custom)
-    jobs = [(cfg, c, m, b) for cfg in configs for c in causal for m in modes for b in names
-            if b not in custom or custom_max_n is None or cfg["N"] <= custom_max_n]
     info = device_info(device)
+    groups = [(cfg, c, m, [b for b in names if b not in custom or custom_max_n is None or cfg["N"] <= custom_max_n])
+              for cfg in configs for c in causal for m in modes]
     rows = []
-    for cfg, c, m, b in tqdm(jobs, desc="attention sweep", disable=not progress):
-        row = dict(backend=b, **cfg, causal=c, mode=m, device=info.name, dtype=str(dtype).replace("torch.", ""))
-        try:
-            row.update(status="ok", **measure_attention(b, cfg, causal=c, mode=m, dtype=dtype, device=device,
-                                                        target_ms=target_ms, fn=custom.get(b)))
-        except (attn.AttentionInputError, ImportError) as err:  # ImportError: flash package missing
-            row["status"] = f"unsupported: {err}"
-        except NotImplementedError:
-            row["status"] = "not implemented"
-        except (RuntimeError, MemoryError) as err:
-            row["status"] = "oom" if is_oom(err) else f"error: {str(err).splitlines()[0][:120]}"
-        if device.type == "cuda" or row["status"] != "ok":  # gc.collect costs ~0.2 s: skip it on
-            free_memory()                                    # CPU rows that ran (nothing cached)
-        rows.append(row)
+    with tqdm(total=sum(len(g[3]) for g in groups), desc="attention sweep", disable=not progress) as bar:
+        for cfg, c, m, group in groups:
+            group_rows = {b: dict(backend=b, **cfg, causal=c, mode=m, device=info.name,
+                                  dtype=str(dtype).replace("torch.", "")) for b in group}
+            _measure_group(group_rows, cfg, causal=c, mode=m, dtype=dtype, device=device, target_ms=target_ms,
+                           rounds=rounds, custom=custom)
+            rows.extend(group_rows.values())
+            if device.type == "cuda" or any(r["status"] != "ok" for r in group_rows.values()):
+                free_memory()  # gc.collect costs ~0.2 s: skipped on CPU when nothing failed
+            bar.update(len(group))
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)  # every column even when no row ran
 
 

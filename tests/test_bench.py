@@ -266,3 +266,21 @@ def test_attention_sweep_measures_custom_implementations_up_to_their_max_n():
     assert float(df[df["backend"] == "mine"]["max_err"].iloc[0]) < 1e-5
     assert (df[df["backend"] == "todo"]["status"] == "not implemented").all()
     assert len(df[df["backend"] == "sdpa_math"]) == 2
+
+
+def test_attention_sweep_times_the_backends_of_one_configuration_in_interleaved_rounds():
+    order = []
+
+    def tracked(name):
+        def fn(q, k, v, causal):
+            order.append(name)
+            return lk.attention.reference_attention(q, k, v, causal=causal)[0]
+        return fn
+
+    configs = lk.bench.fixed_token_configs([16], [8], tokens=16, width=16)
+    df = lk.bench.attention_sweep(configs, backends=[], custom={"a": tracked("a"), "b": tracked("b")},
+                                  modes=("fwd",), causal=(False,), dtype=torch.float32, device="cpu",
+                                  target_ms=3, rounds=3, progress=False)
+    runs = [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name]  # collapse repeats
+    assert runs[-6:] == ["a", "b", "a", "b", "a", "b"], "each round times every backend once, in turn"
+    assert (df["status"] == "ok").all() and df["ms"].notna().all()
