@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 ASSIGNMENTS := $(notdir $(wildcard solutions/[0-9]*))
 
-.PHONY: setup lab test release doctor bench
+.PHONY: setup lab test release doctor bench execute bundle
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -31,3 +31,9 @@ doctor: setup         ## which attention backends run here
 
 bench: setup          ## attention sweep to build/bench/
 	$(PY) -m labkit bench --out build/bench
+
+execute: setup        ## run every solution notebook on this device: build/execute/ (copies, summary.md)
+	HF_HUB_OFFLINE=1 $(PY) -m labkit execute --out build/execute
+
+bundle: setup         ## student zip without solutions or hidden tests: build/student-bundle.zip
+	$(PY) -m labkit bundle --out build/student-bundle.zip

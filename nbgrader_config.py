@@ -7,6 +7,14 @@ c.CourseDirectory.db_url = "sqlite:///gradebook.db"
 
 # Generous per-cell limit: the cpu profile keeps every cell to seconds.
 c.Execute.timeout = 120
+# Late work (submitted/<student>/<assignment>/timestamp.txt after the due date set with
+# `nbgrader db assignment add ID --duedate=...`) is flagged, not penalised: autograde logs how many
+# seconds late it is and `nbgrader export` lists the timestamp next to the due date. Use "zero" to
+# give late submissions 0 points.
+c.LateSubmissionPlugin.penalty_method = "none"
+# A deleted test cell is not put back: it scores 0 and is left needing manual grading. nbgrader
+# 0.9.6 can re-add it (True), but then crashes on a submission whose answer cell is deleted too.
+c.OverwriteCells.add_missing_cells = False
 c.ClearSolutions.code_stub = {
     "python": "# YOUR CODE HERE\nraise NotImplementedError()",
 }

@@ -1,4 +1,10 @@
-"""Command line: ``python -m labkit doctor`` and ``python -m labkit bench``."""
+"""Command line: ``python -m labkit doctor | bench | execute | bundle``.
+
+- doctor: device, dtypes and which attention backends run here;
+- bench: the attention sweep to CSV and PNG;
+- execute: run every solution notebook here, executed copies and a summary page (instructors);
+- bundle: the student zip, refused if any solution text would leak (instructors).
+"""
 from __future__ import annotations
 
 import argparse
@@ -34,6 +40,16 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     bench.add_argument("--target-ms", type=float, default=100.0, help="timing budget per row")
     bench.add_argument("--out", type=Path, default=Path("build/bench"), help="output folder")
+    execute = sub.add_parser("execute", help="run the solution notebooks here; copies and summary.md")
+    execute.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
+    execute.add_argument("--out", type=Path, default=Path("build/execute"), help="output folder")
+    execute.add_argument("--only", type=lambda s: s.split(","), default=None,
+                         help="comma-separated notebook name prefixes, e.g. 01,03")
+    execute.add_argument("--profile", choices=["cpu", "gpu"], default=None, help="default: by device")
+    execute.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
+    bundle.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
+    bundle.add_argument("--out", type=Path, default=Path("build/student-bundle.zip"), help="zip file to write")
     return parser
 
 
@@ -44,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         env.report()
         return 0
+    if args.command == "execute":
+        return _execute(args)
+    if args.command == "bundle":
+        return _bundle(args)
     unknown = set(args.backends or []) - set(bench.attn.BACKENDS) - {"auto"}
     if unknown:
         print(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(bench.attn.BACKENDS)}, auto",
@@ -64,6 +84,29 @@ def main(argv: list[str] | None = None) -> int:
         print("\nauto vs the fastest backend (auto_over_best >= 0.95 means within 5%):")
         print(gap.round(3).to_string(index=False))
     print(f"wrote {args.out / 'attention_sweep.csv'} and {args.out / 'attention_sweep.png'}")
+    return 0
+
+
+def _execute(args) -> int:
+    from . import execute
+
+    runs = execute.execute_all(args.root, args.out, only=args.only, profile=args.profile, timeout=args.timeout)
+    for run in runs:
+        print(f"{run.name}: {run.seconds:.0f} s, {len(run.errors)} error(s), GPU-only notices in "
+              f"{run.gpu_only_cells or 'no cell'}")
+    print(f"total {sum(r.seconds for r in runs) / 60:.1f} min; wrote {args.out / 'summary.md'}")
+    return 1 if any(run.errors for run in runs) else 0
+
+
+def _bundle(args) -> int:
+    from . import bundle
+
+    try:
+        path = bundle.build_bundle(args.root, args.out)
+    except bundle.BundleLeakError as err:
+        print(err, file=sys.stderr)
+        return 1
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 
 

@@ -83,6 +83,14 @@ def backend_table(device: str | torch.device | None = None, dtype: torch.dtype |
     return pd.DataFrame(rows)
 
 
+GPU_ONLY_PREFIX = "[GPU only]"
+
+
+def gpu_only(message: str) -> None:
+    """Print why a cell shows less here than on a GPU, marked so ``make execute`` can list it."""
+    print(f"{GPU_ONLY_PREFIX} {message}")
+
+
 def report(device: str | torch.device | None = None) -> DeviceInfo:
     """Print the device, its dtypes and the attention-backend table; return the DeviceInfo."""
     info = device_info(device)

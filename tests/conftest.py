@@ -1,10 +1,11 @@
-"""Shared fixtures for the labkit unit tests: seeded input builders and the `gpu` marker.
+"""Shared fixtures and hooks: seeded input builders, the `gpu` marker, guarded notebook kernels.
 
 Tests marked ``@pytest.mark.gpu`` need CUDA; they are skipped automatically where
 ``torch.cuda.is_available()`` is False (CI, laptops) and run on the GPU machine.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # before anything imports matplotlib: no display in tests
@@ -15,6 +16,20 @@ import torch  # noqa: E402
 # The unit tests use tiny tensors: one intra-op thread avoids the thread spin-waiting that makes
 # them 10-50x slower on a small machine shared with other jobs (2 cores on CI).
 torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    """Kernels started by this run (nbval's solution notebooks, nbgrader's autograde) are guarded.
+
+    They inherit IPYTHONDIR, whose startup file installs labkit.runguard: a network access or a
+    DeprecationWarning/FutureWarning from torch, transformers, labkit or the notebook fails the cell.
+    """
+    from labkit.execute import guard_startup_dir
+
+    stack = contextlib.ExitStack()
+    os.environ["IPYTHONDIR"] = stack.enter_context(guard_startup_dir())
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config.add_cleanup(stack.close)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,97 @@
+"""A guard for executing the course notebooks: no network, no deprecation warnings.
+
+Installed in a notebook's kernel before its first cell (``labkit.course`` does it through an
+IPython startup file), it turns two silent problems into errors that name the culprit:
+
+- a connection or DNS lookup to any host that is not this machine (the course must run offline:
+  models are random-init, data ships with Python, Hugging Face runs with ``HF_HUB_OFFLINE=1``);
+- a ``DeprecationWarning`` or ``FutureWarning`` attributed to torch, transformers, labkit or the
+  notebook's own code (a deprecated call that works today breaks a later class).
+
+Both raise :class:`RunGuardViolation`, a ``BaseException``: library code that swallows
+``Exception`` (for example a download retried "offline") cannot hide it. Warnings raised inside
+other packages (Jupyter's own machinery, say) pass through untouched.
+
+Used in: ``labkit.course`` (``make test`` through nbval, ``make execute``).
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+import warnings
+
+# Whose warnings count: the file a warning is attributed to (after its stacklevel).
+GUARDED_SOURCES = re.compile(r"[\\/](torch|transformers|labkit)[\\/]|[\\/]ipykernel_\d+[\\/]|<ipython-input|^<cell")
+GUARDED_MODULES = r"(torch|transformers|labkit)(\.|$)|__main__$"  # warnings filter: by module name
+GUARDED_CATEGORIES = (DeprecationWarning, FutureWarning)
+LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", ""}
+
+
+class RunGuardViolation(BaseException):
+    """A notebook reached the network or hit a deprecation warning from code the course controls."""
+
+
+def is_local(host) -> bool:
+    """True for loopback addresses, local host names and Unix-socket paths."""
+    if not isinstance(host, (str, bytes)):
+        return False
+    name = host.decode() if isinstance(host, bytes) else host
+    if name.startswith("/") or name.lower() in LOCAL_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_of(address) -> object:
+    return address[0] if isinstance(address, tuple) else address
+
+
+def _guard_network() -> None:
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+    real_getaddrinfo = socket.getaddrinfo
+
+    def check(host) -> None:
+        if not is_local(host):
+            raise RunGuardViolation(f"network access attempted to {host!r}: the course must run offline "
+                                    "(set HF_HUB_OFFLINE=1; use random-init models and local data)")
+
+    def connect(sock, address):
+        if sock.family != getattr(socket, "AF_UNIX", None):
+            check(_host_of(address))
+        return real_connect(sock, address)
+
+    def connect_ex(sock, address):
+        if sock.family != getattr(socket, "AF_UNIX", None):
+            check(_host_of(address))
+        return real_connect_ex(sock, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        check(host if host is not None else "localhost")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo
+
+
+def _guard_warnings() -> None:
+    real_showwarning = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, GUARDED_CATEGORIES) and GUARDED_SOURCES.search(str(filename)):
+            raise RunGuardViolation(f"{category.__name__} at {filename}:{lineno}: {message}")
+        return real_showwarning(message, category, filename, lineno, file, line)
+
+    for category in GUARDED_CATEGORIES:
+        warnings.filterwarnings("always", category=category, module=GUARDED_MODULES)
+    warnings.showwarning = showwarning
+
+
+def install() -> None:
+    """Guard this process: see the module docstring. Idempotent."""
+    if getattr(socket, "_labkit_guarded", False):
+        return
+    _guard_network()
+    _guard_warnings()
+    socket._labkit_guarded = True

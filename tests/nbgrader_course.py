@@ -1,0 +1,75 @@
+"""Helpers for tests that run real nbgrader commands in a temporary course directory.
+
+Used by test_notebooks.py (release and round trip) and test_grading_robustness.py; pytest puts
+tests/ on sys.path (rootdir conftest, no __init__.py), so they import this as ``nbgrader_course``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSIGNMENTS = sorted(p.name for p in (ROOT / "solutions").iterdir() if (p / f"{p.name}.ipynb").exists())
+MARKERS = re.compile(r"^\s*### (BEGIN|END) (SOLUTION|HIDDEN TESTS)\s*$")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def nbgrader_cells(nb: dict, **flags) -> list[dict]:
+    return [c for c in nb["cells"]
+            if all(c.get("metadata", {}).get("nbgrader", {}).get(k) == v for k, v in flags.items())]
+
+
+def run_nbgrader(course: Path, *args: str, force: bool = True, check: bool = True) -> subprocess.CompletedProcess:
+    """``nbgrader ARGS [--force]`` in ``course``; with ``check``, a non-zero exit fails the test."""
+    # nbgrader runs `alembic` from PATH when it creates the gradebook: put this venv first.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = dict(os.environ, PATH=path, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "nbgrader", *args, *(["--force"] if force else [])], cwd=course,
+                          env=env, capture_output=True, text=True, timeout=1200)
+    if check:
+        assert proc.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def make_course(tmp_path: Path, assignment: str) -> Path:
+    """A temporary course directory holding one assignment's source and the course config."""
+    course = tmp_path / "course"
+    shutil.copytree(ROOT / "solutions" / assignment, course / "solutions" / assignment)
+    shutil.copy(ROOT / "nbgrader_config.py", course)
+    return course
+
+
+def perfect_submission(release: dict, solution: dict) -> dict:
+    """The release with every answer cell filled in by the instructor's solution."""
+    answers = {c["metadata"]["nbgrader"]["grade_id"]: c for c in nbgrader_cells(solution, solution=True)}
+    filled = json.loads(json.dumps(release))
+    for cell in nbgrader_cells(filled, solution=True):
+        source = "".join(answers[cell["metadata"]["nbgrader"]["grade_id"]]["source"])
+        cell["source"] = "\n".join(ln for ln in source.splitlines() if not MARKERS.match(ln))
+    return filled
+
+
+def submit(course: Path, student: str, assignment: str, nb: dict, name: str | None = None) -> Path:
+    """Write ``nb`` as submitted/<student>/<assignment>/<name or assignment>.ipynb."""
+    target = course / "submitted" / student / assignment / f"{name or assignment}.ipynb"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(nb), encoding="utf-8")
+    return target
+
+
+def scores(course: Path, assignment: str, student: str) -> tuple[float, float, float]:
+    """(auto score, auto max, total score) of one autograded submission."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        nb = gb.find_submission_notebook(assignment, assignment, student)
+        auto = [g for g in nb.grades if g.cell.cell_type == "code"]
+        return (sum(g.score for g in auto), sum(g.max_score for g in auto), nb.score)

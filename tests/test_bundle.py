@@ -1,0 +1,108 @@
+"""Tests for labkit.bundle: the student zip holds what students need and no solution text."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from labkit import bundle
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("bundle") / "student.zip"
+    proc = subprocess.run([sys.executable, "-m", "labkit", "bundle", "--root", str(ROOT), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with zipfile.ZipFile(out) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
+
+
+def _strip_top(files: dict[str, bytes]) -> dict[str, bytes]:
+    assert all(name.startswith(bundle.TOP_FOLDER + "/") for name in files)
+    return {name[len(bundle.TOP_FOLDER) + 1:]: content for name, content in files.items()}
+
+
+def test_bundle_holds_the_student_course(built):
+    files = _strip_top(built)
+    for name in ("README.md", "environment.yml", "pyproject.toml", "Makefile", "labkit/__init__.py"):
+        assert name in files
+    committed = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "notebooks").rglob("*.ipynb"))
+    assert committed and sorted(n for n in files if n.endswith(".ipynb")) == committed
+    for name in committed:
+        assert files[name] == (ROOT / name).read_bytes()
+    for module in (ROOT / "labkit").glob("*.py"):
+        assert files[f"labkit/{module.name}"] == module.read_bytes()
+
+
+def test_bundle_holds_no_solutions_hidden_tests_or_answers(built):
+    files = _strip_top(built)
+    assert not [n for n in files if n.split("/")[0] in ("solutions", "tests") or "__pycache__" in n]
+    secrets = bundle.secret_lines(ROOT)
+    assert all(secrets.values()), "solutions/ should have solution code, hidden tests and model answers"
+    assert bundle.leaks(files, secrets) == []
+    # Every notebook's source, decoded from JSON, is free of nbgrader markers too.
+    for name in (n for n in files if n.endswith(".ipynb")):
+        sources = "".join("".join(c["source"]) for c in json.loads(files[name])["cells"])
+        assert "BEGIN SOLUTION" not in sources and "HIDDEN TESTS" not in sources
+
+
+def test_bundle_installs_and_imports(built, tmp_path):
+    for name, content in built.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(content)
+    proc = subprocess.run([sys.executable, "-c", "import labkit, sys; print(labkit.__file__)"],
+                          cwd=tmp_path / bundle.TOP_FOLDER, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert str(tmp_path) in proc.stdout
+
+
+def _fake_course(tmp_path: Path) -> Path:
+    root = tmp_path / "course"
+    root.mkdir()
+    for name in bundle.BUNDLE_FILES:
+        shutil.copy(ROOT / name, root / name)
+    shutil.copytree(ROOT / "labkit", root / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "notebooks", root / "notebooks")
+    shutil.copytree(ROOT / "solutions", root / "solutions")
+    return root
+
+
+@pytest.mark.parametrize("kind", ["solution", "hidden test", "model answer"])
+def test_a_leaked_line_refuses_the_bundle(tmp_path, kind):
+    root = _fake_course(tmp_path)
+    secret = sorted(bundle.secret_lines(root)[kind])[0]
+    (root / "notebooks" / "NOTES.md").write_text(f"cheat sheet\n    {secret}\n", encoding="utf-8")
+    with pytest.raises(bundle.BundleLeakError, match=kind):
+        bundle.build_bundle(root, tmp_path / "out.zip")
+    assert not (tmp_path / "out.zip").exists()
+
+
+def test_hidden_tests_may_not_hide_in_labkit(tmp_path):
+    root = _fake_course(tmp_path)
+    secret = sorted(bundle.secret_lines(root)["hidden test"])[0]
+    with open(root / "labkit" / "grading.py", "a", encoding="utf-8") as f:
+        f.write(f'\nHINT = """\n{secret}\n"""\n')
+    with pytest.raises(bundle.BundleLeakError, match="labkit/grading.py: hidden test"):
+        bundle.build_bundle(root, tmp_path / "out.zip")
+
+
+def test_markers_in_a_notebook_refuse_the_bundle(tmp_path):
+    root = _fake_course(tmp_path)
+    shutil.copy(next((root / "solutions").rglob("*.ipynb")), root / "notebooks" / "copied_solution.ipynb")
+    with pytest.raises(bundle.BundleLeakError, match="nbgrader marker"):
+        bundle.build_bundle(root, tmp_path / "out.zip")
+
+
+def test_missing_files_are_named(tmp_path):
+    root = _fake_course(tmp_path)
+    (root / "environment.yml").unlink()
+    with pytest.raises(FileNotFoundError, match="environment.yml"):
+        bundle.bundle_files(root)

@@ -1,0 +1,90 @@
+"""Tests for labkit.execute: executed copies, the summary page, and the guard inside real kernels.
+
+A tiny course (one notebook) runs in a real ipykernel: its summary cell prints and plots, one cell
+prints a GPU-only notice, one raises, one reaches for the network and one calls deprecated code.
+The run must go on past each failure, record it, and write everything.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from labkit import execute
+
+CELLS = {
+    "measure": ('import matplotlib.pyplot as plt\nprint("speedup 3.0x")\nplt.plot([1, 2]); plt.show()', ["summary"]),
+    "notice": ("import labkit as lk\nlk.env.gpu_only('the memory plot needs a CUDA GPU')", []),
+    "bug": ("raise ValueError('a bug in cell three')", []),
+    "network": ("import urllib.request\ntry:\n    urllib.request.urlopen('http://example.com', timeout=2)\n"
+                "except Exception as err:\n    print('swallowed', err)", []),
+    "deprecated": ("import warnings\nwarnings.warn('old API', FutureWarning)", []),
+    "after": ("import os\nprint('profile', os.environ['LABKIT_PROFILE'], 'offline', os.environ['HF_HUB_OFFLINE'])",
+              ["summary"]),
+}
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("course")
+    cells = []
+    for cell_id, (source, tags) in CELLS.items():
+        cell = new_code_cell(source, id=cell_id)
+        cell.metadata["tags"] = tags
+        cells.append(cell)
+    path = root / "solutions" / "01_tiny" / "01_tiny.ipynb"
+    path.parent.mkdir(parents=True)
+    nbformat.write(new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                       "language": "python"}}), path)
+    out = root / "build"
+    before = dict(os.environ)
+    runs = execute.execute_all(root, out, profile="cpu", timeout=120, progress=False)
+    assert dict(os.environ) == before, "execute_all must restore the environment it changed for the kernels"
+    return runs, out
+
+
+def test_every_cell_ran_and_the_copy_was_written(executed):
+    runs, out = executed
+    (run,) = runs
+    assert run.name == "01_tiny" and run.code_cells == len(CELLS) and run.seconds > 0
+    nb = nbformat.read(out / "01_tiny.ipynb", as_version=4)
+    assert all(c.execution_count for c in nb.cells), "a failing cell must not stop the run"
+    assert (out / "01_tiny.html").read_text(encoding="utf-8").count("speedup 3.0x") >= 1
+
+
+def test_errors_include_guard_violations(executed):
+    (run,) = executed[0]
+    errors = {e.cell_id: e for e in run.errors}
+    assert set(errors) == {"bug", "network", "deprecated"}
+    assert errors["bug"].ename == "ValueError"
+    assert errors["network"].ename == "RunGuardViolation" and "example.com" in errors["network"].evalue
+    assert errors["deprecated"].ename == "RunGuardViolation" and "FutureWarning" in errors["deprecated"].evalue
+
+
+def test_summary_lists_results_notices_and_errors(executed):
+    (run,) = executed[0]
+    out = executed[1]
+    assert run.gpu_only_cells == ["notice"]
+    assert [r["cell_id"] for r in run.results] == ["measure", "after"]
+    measure, after = run.results
+    assert measure["text"] == "speedup 3.0x" and len(measure["figures"]) == 1
+    assert (out / measure["figures"][0]).read_bytes()[:4] == b"\x89PNG"
+    assert after["text"] == "profile cpu offline 1"
+    page = (out / "summary.md").read_text(encoding="utf-8")
+    assert "profile: cpu" in page and "speedup 3.0x" in page and f"]({measure['figures'][0]})" in page
+    assert "| bug, deprecated, network | notice |" in page and "a bug in cell three" in page
+    facts = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert facts["profile"] == "cpu" and facts["notebooks"][0]["name"] == "01_tiny"
+
+
+def test_bad_arguments_are_named(tmp_path):
+    (tmp_path / "solutions" / "01_a").mkdir(parents=True)
+    nbformat.write(new_notebook(), tmp_path / "solutions" / "01_a" / "01_a.ipynb")
+    with pytest.raises(ValueError, match="no solution notebook starts with"):
+        execute.solution_notebooks(tmp_path, ["07"])
+    with pytest.raises(ValueError, match="profile 'tpu'"):
+        execute.execute_all(tmp_path, tmp_path / "out", profile="tpu")
