@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="comma-separated notebook name prefixes, e.g. 01,03")
     execute.add_argument("--profile", choices=["cpu", "gpu"], default=None, help="default: by device")
     execute.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    execute.add_argument("--strict", action="store_true",
+                         help="a network access or deprecation warning fails its cell (default: reported)")
     bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
     bundle.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
     bundle.add_argument("--out", type=Path, default=Path("build/student-bundle.zip"), help="zip file to write")
@@ -90,12 +92,13 @@ def main(argv: list[str] | None = None) -> int:
 def _execute(args) -> int:
     from . import execute
 
-    runs = execute.execute_all(args.root, args.out, only=args.only, profile=args.profile, timeout=args.timeout)
+    runs = execute.execute_all(args.root, args.out, only=args.only, profile=args.profile, timeout=args.timeout,
+                               strict=args.strict)
     for run in runs:
-        print(f"{run.name}: {run.seconds:.0f} s, {len(run.errors)} error(s), GPU-only notices in "
-              f"{run.gpu_only_cells or 'no cell'}")
+        print(f"{run.name}: {run.seconds:.0f} s, {len(run.errors)} error(s), {len(run.guard_reports)} run-guard "
+              f"report(s), GPU-only notices in {run.gpu_only_cells or 'no cell'}")
     print(f"total {sum(r.seconds for r in runs) / 60:.1f} min; wrote {args.out / 'summary.md'}")
-    return 1 if any(run.errors for run in runs) else 0
+    return 1 if any(run.errors or run.guard_reports for run in runs) else 0
 
 
 def _bundle(args) -> int:

@@ -10,8 +10,10 @@ unless one is forced, and writes under ``build/execute/``:
 - ``summary.json``: the same facts for scripts; ``figures/``: the summary's images.
 
 Each kernel runs with ``HF_HUB_OFFLINE=1`` under :mod:`labkit.runguard` (no network, no
-deprecation warnings from torch, transformers, labkit or the notebook). A failing cell does not
-stop the run: its error is recorded and the next cell runs, so one long run loses nothing.
+deprecation warnings from torch, transformers, labkit or the notebook), in "report" mode by
+default (violations are listed in the summary) or "raise" mode (``strict``: they fail the cell).
+A failing cell does not stop the run: its error is recorded and the next cell runs, and the
+summary is rewritten after every notebook, so a long run that is cut short loses nothing.
 
 Used in: the Makefile (``execute``), the GPU verification of the course, ``tests/test_execute.py``.
 """
@@ -27,9 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .env import GPU_ONLY_PREFIX
+from .runguard import REPORT_PREFIX
 
 SUMMARY_TAG = "summary"
-GUARD_STARTUP = "import labkit.runguard\nlabkit.runguard.install()\n"
+GUARD_STARTUP = "import os\nimport labkit.runguard\nlabkit.runguard.install(os.environ.get('LABKIT_RUNGUARD', 'raise'))\n"
 
 
 @dataclass
@@ -47,6 +50,7 @@ class NotebookRun:
     code_cells: int
     errors: list[CellError] = field(default_factory=list)
     gpu_only_cells: list[str] = field(default_factory=list)
+    guard_reports: list[str] = field(default_factory=list)  # "cell-id: message" from labkit.runguard
     results: list[dict] = field(default_factory=list)  # {"cell_id", "text", "figures": [relative paths]}
 
 
@@ -71,10 +75,11 @@ def guard_startup_dir():
 
 
 @contextlib.contextmanager
-def guarded_kernel_env(profile: str | None, artifacts: Path):
+def guarded_kernel_env(profile: str | None, artifacts: Path, *, strict: bool = False):
     """Environment for the kernels started inside the block: offline, guarded, profile forced."""
     with guard_startup_dir() as ipython_dir:
         updates = {"IPYTHONDIR": ipython_dir, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                   "LABKIT_RUNGUARD": "raise" if strict else "report",
                    "LABKIT_OUT": str(artifacts), "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
         if profile:
             updates["LABKIT_PROFILE"] = profile
@@ -115,6 +120,8 @@ def collect(nb, name: str, seconds: float, figures_dir: Path) -> NotebookRun:
                 path.write_bytes(base64.b64decode(png))
                 figures.append(f"{figures_dir.name}/{path.name}")
         text = "".join(texts).strip()
+        run.guard_reports += [f"{cell.id}: {line[len(REPORT_PREFIX):].strip()}"
+                              for line in text.splitlines() if line.startswith(REPORT_PREFIX)]
         if GPU_ONLY_PREFIX in text:  # printed by lk.env.gpu_only
             run.gpu_only_cells.append(cell.id)
         if SUMMARY_TAG in cell.metadata.get("tags", []):
@@ -154,8 +161,11 @@ def _write_html(nb, target: Path) -> None:
 
 
 def execute_all(root: Path, out: Path, *, only: list[str] | None = None, profile: str | None = None,
-                timeout: int = 1800, progress: bool = True) -> list[NotebookRun]:
-    """Execute the solution notebooks (all, or those named in ``only``); write copies and the summary."""
+                timeout: int = 1800, strict: bool = False, progress: bool = True) -> list[NotebookRun]:
+    """Execute the solution notebooks (all, or those named in ``only``); write copies and the summary.
+
+    ``strict``: a run-guard violation fails its cell instead of being reported in the summary.
+    """
     from . import profiles
 
     if profile is not None and profile not in profiles.PROFILES:
@@ -163,11 +173,11 @@ def execute_all(root: Path, out: Path, *, only: list[str] | None = None, profile
     paths = solution_notebooks(root, only)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    with guarded_kernel_env(profile, out / "artifacts"):
+    with guarded_kernel_env(profile, out / "artifacts", strict=strict):
         effective = profiles.current()
         for path in paths:
             runs.append(execute_one(path, out, timeout=timeout, progress=progress))
-    write_summary(runs, out, profile=effective)
+            write_summary(runs, out, profile=effective)
     return runs
 
 
@@ -183,13 +193,16 @@ def write_summary(runs: list[NotebookRun], out: Path, *, profile: str) -> Path:
     lines = ["# Lab-1.5: executed notebooks", "",
              f"- device: {device}; torch {torch.__version__}, CUDA {torch.version.cuda or '-'}; profile: {profile}",
              f"- finished {time.strftime('%Y-%m-%d %H:%M:%S')}; total {total / 60:.1f} min", "",
-             "| notebook | minutes | code cells | cells with errors | GPU-only notices |", "|---|---|---|---|---|"]
+             "| notebook | minutes | code cells | cells with errors | GPU-only notices | run-guard reports |",
+             "|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| [{r.name}]({r.name}.html) | {r.seconds / 60:.1f} | {r.code_cells} | "
-                     f"{', '.join(sorted({e.cell_id for e in r.errors})) or '-'} | {', '.join(r.gpu_only_cells) or '-'} |")
+                     f"{', '.join(sorted({e.cell_id for e in r.errors})) or '-'} | {', '.join(r.gpu_only_cells) or '-'} | "
+                     f"{len(r.guard_reports)} |")
     for r in runs:
         lines += ["", f"## {r.name}", ""]
         lines += [f"- **error** in `{e.cell_id}`: {e.ename}: {e.evalue}" for e in r.errors]
+        lines += [f"- **run guard** in `{report}`" for report in r.guard_reports]
         for result in r.results:
             lines += [f"`{result['cell_id']}`:", ""]
             if result["text"]:

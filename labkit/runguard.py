@@ -8,8 +8,11 @@ IPython startup file), it turns two silent problems into errors that name the cu
 - a ``DeprecationWarning`` or ``FutureWarning`` attributed to torch, transformers, labkit or the
   notebook's own code (a deprecated call that works today breaks a later class).
 
-Both raise :class:`RunGuardViolation`, a ``BaseException``: library code that swallows
-``Exception`` (for example a download retried "offline") cannot hide it. Warnings raised inside
+In ``mode="raise"`` (tests) both raise :class:`RunGuardViolation`, a ``BaseException``: library
+code that swallows ``Exception`` (for example a download retried "offline") cannot hide it. In
+``mode="report"`` (long GPU runs, where one warning should not cost the rest of the notebook) each
+violation prints a line starting with :data:`REPORT_PREFIX` to stderr; the warned call goes on and
+a network call fails with ``ConnectionRefusedError``, as it would offline. Warnings raised inside
 other packages (Jupyter's own machinery, say) pass through untouched.
 
 Used in: ``labkit.course`` (``make test`` through nbval, ``make execute``).
@@ -26,6 +29,8 @@ GUARDED_SOURCES = re.compile(r"[\\/](torch|transformers|labkit)[\\/]|[\\/]ipyker
 GUARDED_MODULES = r"(torch|transformers|labkit)(\.|$)|__main__$"  # warnings filter: by module name
 GUARDED_CATEGORIES = (DeprecationWarning, FutureWarning)
 LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", ""}
+MODES = ("raise", "report")
+REPORT_PREFIX = "[run guard]"
 
 
 class RunGuardViolation(BaseException):
@@ -49,14 +54,24 @@ def _host_of(address) -> object:
     return address[0] if isinstance(address, tuple) else address
 
 
-def _guard_network() -> None:
+def _violation(message: str, mode: str, fallback: type[Exception] | None) -> None:
+    if mode == "raise":
+        raise RunGuardViolation(message)
+    import sys
+
+    print(f"{REPORT_PREFIX} {message}", file=sys.stderr, flush=True)
+    if fallback is not None:
+        raise fallback(message)
+
+
+def _guard_network(mode: str) -> None:
     real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
     real_getaddrinfo = socket.getaddrinfo
 
     def check(host) -> None:
         if not is_local(host):
-            raise RunGuardViolation(f"network access attempted to {host!r}: the course must run offline "
-                                    "(set HF_HUB_OFFLINE=1; use random-init models and local data)")
+            _violation(f"network access attempted to {host!r}: the course must run offline "
+                       "(set HF_HUB_OFFLINE=1; use random-init models and local data)", mode, ConnectionRefusedError)
 
     def connect(sock, address):
         if sock.family != getattr(socket, "AF_UNIX", None):
@@ -75,12 +90,12 @@ def _guard_network() -> None:
     socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo
 
 
-def _guard_warnings() -> None:
+def _guard_warnings(mode: str) -> None:
     real_showwarning = warnings.showwarning
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
         if issubclass(category, GUARDED_CATEGORIES) and GUARDED_SOURCES.search(str(filename)):
-            raise RunGuardViolation(f"{category.__name__} at {filename}:{lineno}: {message}")
+            _violation(f"{category.__name__} at {filename}:{lineno}: {message}", mode, None)
         return real_showwarning(message, category, filename, lineno, file, line)
 
     for category in GUARDED_CATEGORIES:
@@ -88,10 +103,12 @@ def _guard_warnings() -> None:
     warnings.showwarning = showwarning
 
 
-def install() -> None:
-    """Guard this process: see the module docstring. Idempotent."""
+def install(mode: str = "raise") -> None:
+    """Guard this process in ``mode`` ("raise" or "report"): see the module docstring. Idempotent."""
+    if mode not in MODES:
+        raise ValueError(f"run guard mode {mode!r} is not one of {MODES}")
     if getattr(socket, "_labkit_guarded", False):
         return
-    _guard_network()
-    _guard_warnings()
+    _guard_network(mode)
+    _guard_warnings(mode)
     socket._labkit_guarded = True

@@ -84,3 +84,28 @@ def test_other_warnings_pass_through():
     """)
     assert proc.returncode == 0, proc.stderr
     assert "recorded 1" in proc.stdout and "a user warning" in proc.stderr
+
+
+def test_report_mode_prints_and_goes_on():
+    program = textwrap.dedent("""
+        import socket, warnings
+        import labkit.runguard as g
+        g.install("report")
+        warnings.warn_explicit("old API", FutureWarning, "/site-packages/torch/x.py", 1, module="torch.x")
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=1)
+        except ConnectionRefusedError as err:
+            print("offline-like", err)
+    """)
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "offline-like network access attempted to 'huggingface.co'" in proc.stdout
+    reports = [line for line in proc.stderr.splitlines() if line.startswith("[run guard]")]
+    assert len(reports) == 2 and "FutureWarning" in reports[0] and "huggingface.co" in reports[1]
+
+
+def test_unknown_mode_is_named():
+    from labkit import runguard
+
+    with pytest.raises(ValueError, match="'loud' is not one of"):
+        runguard.install("loud")
