@@ -137,16 +137,21 @@ def execute_one(path: Path, out: Path, *, timeout: int, progress: bool = True) -
 
     nb = nbformat.read(path, as_version=4)
     bar = tqdm(total=sum(c.cell_type == "code" for c in nb.cells), desc=path.stem, unit="cell", disable=not progress)
+    target = out / path.name
+
+    def cell_done(**_):  # save after every cell: a run that is killed keeps what it measured
+        bar.update()
+        nbformat.write(nb, target)
+
     client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}},
-                            on_cell_executed=lambda **_: bar.update())
+                            resources={"metadata": {"path": str(path.parent)}}, on_cell_executed=cell_done)
     start = time.perf_counter()
     try:
         client.execute()
     finally:
         bar.close()
         seconds = time.perf_counter() - start
-        nbformat.write(nb, out / path.name)  # also what ran before a crash
+        nbformat.write(nb, target)
     _write_html(nb, out / f"{path.stem}.html")
     return collect(nb, path.stem, seconds, out / "figures")
 
