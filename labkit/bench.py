@@ -48,6 +48,7 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
     slower than the kernels themselves. A warm-up of about ``target_ms / 4`` follows the
     ``warmup`` calls (GPU clocks run high after a pause); the reps then fill about ``target_ms``.
     ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2.
+    A call so slow that ``min_reps`` of them fill ``target_ms`` is timed by those reps alone.
     CPU: ``time.perf_counter`` around each call.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -55,7 +56,10 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
         fn()
     _sync(device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
-    estimate = sorted(_calls_ms(fn, device, flush, min_reps))[min_reps // 2]
+    first = sorted(_calls_ms(fn, device, flush, min_reps))
+    estimate = first[min_reps // 2]
+    if estimate * min_reps >= target_ms:  # a slow call: the estimate's reps already fill the budget
+        return Timing(first[min_reps // 2], first[int(0.2 * min_reps)], first[int(0.8 * min_reps)], min_reps)
     if warmup:  # settle clocks for about a quarter of the budget, like do_bench's warm-up
         _calls_ms(fn, device, flush, int(min(max_reps, 0.25 * target_ms / max(estimate, 1e-3))))
     reps = int(min(max_reps, max(min_reps, target_ms / max(estimate, 1e-3))))
@@ -180,11 +184,15 @@ def _failure(err: BaseException) -> str:
 _ROW_ERRORS = (attn.AttentionInputError, ImportError, NotImplementedError, RuntimeError, MemoryError)
 
 
+MIN_REPS = 5
+
+
 def _measure_group(rows: dict[str, dict], cfg: dict, *, causal: bool, mode: str, dtype, device,
                    target_ms: float, rounds: int, custom: dict[str, Callable]) -> None:
     """Fill ``rows`` (one per backend, same configuration): error and extra memory per backend,
     then time in ``rounds`` interleaved rounds so that a GPU clock drifting during the group
-    favours no backend; ms is the median of the rounds' medians."""
+    favours no backend; ms is the median of the rounds' medians. A call too slow for more than
+    ``MIN_REPS`` reps in one round's budget is timed in the first round only."""
     calls = {}
     with torch.set_grad_enabled(mode == "fwd_bwd"):
         for name, row in rows.items():
@@ -197,10 +205,13 @@ def _measure_group(rows: dict[str, dict], cfg: dict, *, causal: bool, mode: str,
             except _ROW_ERRORS as err:
                 row["status"] = _failure(err)
         timings: dict[str, list[Timing]] = {name: [] for name in calls}
-        for _ in range(rounds):
+        for round_ in range(rounds):
             for name in list(calls):
+                if round_ and timings[name][0].reps <= MIN_REPS:
+                    continue  # a slow call: one round is the whole budget, clock drift is noise to it
                 try:
-                    timings[name].append(time_fn(calls[name], device=device, target_ms=target_ms / rounds))
+                    timings[name].append(time_fn(calls[name], device=device, target_ms=target_ms / rounds,
+                                                 min_reps=MIN_REPS))
                 except _ROW_ERRORS as err:
                     rows[name]["status"] = _failure(err)
                     del calls[name], timings[name]

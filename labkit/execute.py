@@ -23,6 +23,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,7 @@ from .env import GPU_ONLY_PREFIX
 from .runguard import REPORT_PREFIX
 
 SUMMARY_TAG = "summary"
+_OBJECT_REPR = re.compile(r"^<[^\n]*(size|at 0x)[^\n]*>$")
 GUARD_STARTUP = "import os\nimport labkit.runguard\nlabkit.runguard.install(os.environ.get('LABKIT_RUNGUARD', 'raise'))\n"
 
 
@@ -96,23 +98,26 @@ def guarded_kernel_env(profile: str | None, artifacts: Path, *, strict: bool = F
 
 
 def _text_of(output: dict) -> str:
+    """Printed text and plain-text results; not stderr (progress bars) and not object reprs."""
     if output["output_type"] == "stream":
-        return "".join(output["text"])
-    data = output.get("data", {})
-    if output["output_type"] not in ("execute_result", "display_data") or "image/png" in data:
-        return ""  # a figure's text/plain is just "<Figure size ...>"
-    return "".join(data.get("text/plain", "")) + "\n"
+        return "".join(output["text"]) if output["name"] == "stdout" else ""
+    if output["output_type"] not in ("execute_result", "display_data"):
+        return ""
+    text = "".join(output.get("data", {}).get("text/plain", ""))
+    return "" if _OBJECT_REPR.match(text) else text + "\n"  # e.g. "<Figure size ...>", a Styler
 
 
 def collect(nb, name: str, seconds: float, figures_dir: Path) -> NotebookRun:
     """Read errors, GPU-only notices and the ``summary`` cells' outputs off an executed notebook."""
     run = NotebookRun(name, seconds, sum(c.cell_type == "code" for c in nb.cells))
     for cell in (c for c in nb.cells if c.cell_type == "code"):
-        texts, figures = [], []
+        texts, figures, reports = [], [], []
         for output in cell.get("outputs", []):
             if output["output_type"] == "error":
                 run.errors.append(CellError(cell.id, output["ename"], output["evalue"][:500]))
             texts.append(_text_of(output))
+            if output["output_type"] == "stream" and output["name"] == "stderr":
+                reports += [line for line in output["text"].splitlines() if line.startswith(REPORT_PREFIX)]
             png = output.get("data", {}).get("image/png") if SUMMARY_TAG in cell.metadata.get("tags", []) else None
             if png:
                 path = figures_dir / f"{name}_{cell.id}_{len(figures)}.png"
@@ -120,8 +125,7 @@ def collect(nb, name: str, seconds: float, figures_dir: Path) -> NotebookRun:
                 path.write_bytes(base64.b64decode(png))
                 figures.append(f"{figures_dir.name}/{path.name}")
         text = "".join(texts).strip()
-        run.guard_reports += [f"{cell.id}: {line[len(REPORT_PREFIX):].strip()}"
-                              for line in text.splitlines() if line.startswith(REPORT_PREFIX)]
+        run.guard_reports += [f"{cell.id}: {line[len(REPORT_PREFIX):].strip()}" for line in reports]
         if GPU_ONLY_PREFIX in text:  # printed by lk.env.gpu_only
             run.gpu_only_cells.append(cell.id)
         if SUMMARY_TAG in cell.metadata.get("tags", []):

@@ -36,8 +36,11 @@ def test_time_fn_cpu_measures_the_call():
 def test_time_fn_rep_bounds():
     fast = B_.time_fn(lambda: None, device="cpu", target_ms=1000, min_reps=3, max_reps=7)
     assert fast.reps == 7, "a call far below target_ms is repeated max_reps times"
-    slow = B_.time_fn(lambda: time.sleep(0.003), device="cpu", warmup=0, target_ms=0.1, min_reps=4, max_reps=9)
+    calls = []
+    slow = B_.time_fn(lambda: (calls.append(1), time.sleep(0.003)), device="cpu", warmup=0, target_ms=0.1,
+                      min_reps=4, max_reps=9)
     assert slow.reps == 4, "a call longer than target_ms is still repeated min_reps times"
+    assert len(calls) == 4, "... and those reps are the measurement: no settling warm-up, no second pass"
 
 
 def test_peak_memory_is_nan_on_cpu():
@@ -284,3 +287,24 @@ def test_attention_sweep_times_the_backends_of_one_configuration_in_interleaved_
     runs = [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name]  # collapse repeats
     assert runs[-6:] == ["a", "b", "a", "b", "a", "b"], "each round times every backend once, in turn"
     assert (df["status"] == "ok").all() and df["ms"].notna().all()
+
+
+def test_attention_sweep_times_a_slow_call_in_one_round():
+    order = []
+
+    def tracked(name, sleep_s):
+        def fn(q, k, v, causal):
+            order.append(name)
+            time.sleep(sleep_s)
+            return lk.attention.reference_attention(q, k, v, causal=causal)[0]
+        return fn
+
+    configs = lk.bench.fixed_token_configs([16], [8], tokens=16, width=16)
+    df = lk.bench.attention_sweep(configs, backends=[], custom={"fast": tracked("fast", 0), "slow": tracked("slow", 0.01)},
+                                  modes=("fwd",), causal=(False,), dtype=torch.float32, device="cpu",
+                                  target_ms=30, rounds=3, progress=False)
+    timed_slow = order.count("slow") - 2  # minus the error check and the memory probe
+    assert timed_slow == 2 + lk.bench.MIN_REPS, "warm-up and one round of MIN_REPS reps, no second round"
+    runs = [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name]
+    assert runs[-3:] == ["fast", "slow", "fast"], "round 1 times both; rounds 2 and 3 only the fast one"
+    assert (df["status"] == "ok").all()
