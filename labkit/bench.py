@@ -156,10 +156,16 @@ def _attention_call(backend: str, cfg: dict, *, causal: bool, mode: str, dtype, 
     """Fresh inputs and one call for a benchmark row: (call, q, k, v, layout).
 
     ``fn(q, k, v, causal) -> o`` on [B, H, N, D] tensors stands in for a labkit backend
-    (e.g. a student's implementation measured under the name ``backend``).
+    (e.g. a student's implementation measured under the name ``backend``). Every backend gets
+    its native layout (:func:`labkit.attention.native_layout`); "auto" that of the backend it picks.
     """
-    layout = "bhnd" if fn is not None else attn.native_layout(backend)
     needs_grad = mode == "fwd_bwd"
+    layout = "bhnd" if fn is not None else attn.native_layout(backend)
+    if backend == "auto" and fn is None:  # like every backend, read in the layout of the kernel that runs
+        q, k, v = attention_inputs(**cfg, dtype=dtype, device=device, requires_grad=needs_grad)
+        with torch.set_grad_enabled(needs_grad):
+            layout = attn.native_layout(attn.auto_choice(q, k, v, causal=causal))
+        del q, k, v
     q, k, v = attention_inputs(**cfg, layout=layout, dtype=dtype, device=device, requires_grad=needs_grad)
 
     def call():

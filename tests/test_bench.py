@@ -308,3 +308,12 @@ def test_attention_sweep_times_a_slow_call_in_one_round():
     runs = [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name]
     assert runs[-3:] == ["fast", "slow", "fast"], "round 1 times both; rounds 2 and 3 only the fast one"
     assert (df["status"] == "ok").all()
+
+
+@pytest.mark.parametrize("choice, layout", [("fa4", "bnhd"), ("flash_attn", "bnhd"), ("sdpa_cudnn", "bhnd")])
+def test_auto_is_benchmarked_in_the_layout_of_the_backend_it_picks(monkeypatch, choice, layout):
+    monkeypatch.setattr(lk.attention, "auto_choice", lambda q, k, v, causal=False: choice)
+    cfg = dict(B=1, H=2, N=8, D=4)
+    _, q, _, _, got = B_._attention_call("auto", cfg, causal=False, mode="fwd", dtype=torch.float32, device="cpu")
+    assert got == layout
+    assert q.shape == ((1, 8, 2, 4) if layout == "bnhd" else (1, 2, 8, 4))
