@@ -103,3 +103,21 @@ def test_bad_arguments_are_named(tmp_path):
         execute.solution_notebooks(tmp_path, ["07"])
     with pytest.raises(ValueError, match="profile 'tpu'"):
         execute.execute_all(tmp_path, tmp_path / "out", profile="tpu")
+
+
+@pytest.mark.slow
+def test_nbval_kernels_of_the_test_command_are_guarded(tmp_path):
+    """tests/conftest.py guards the kernels `make test` starts: a notebook's FutureWarning fails it."""
+    import subprocess
+    import sys
+
+    cells = [new_code_cell("print('fine')"), new_code_cell("import warnings\nwarnings.warn('old API', FutureWarning)")]
+    nbformat.write(new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                                       "language": "python"}}), tmp_path / "nb.ipynb")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           str(root / "tests" / "test_profiles.py"), "-k", "not gpu", str(tmp_path / "nb.ipynb"),
+                           "--nbval-lax", "--nbval-current-env"], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "RunGuardViolation" in proc.stdout and "old API" in proc.stdout
+    assert "1 failed" in proc.stdout, proc.stdout[-2000:]
