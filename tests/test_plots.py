@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import warnings
 
@@ -116,3 +117,26 @@ def test_sweep_plot_without_ok_rows(tmp_path):
         fig = P.sweep_plot(df, path=tmp_path / "empty.png")
     plt.close(fig)
     assert (tmp_path / "empty.png").exists()
+
+
+def test_chinese_plot_has_no_missing_glyphs_where_a_cjk_font_exists(caplog):
+    """With the font cjk_font() finds, Chinese titles, labels and legends draw without "Glyph missing"."""
+    from matplotlib import font_manager
+
+    font = P.cjk_font()
+    if font is None:
+        pytest.skip("no CJK font here (pip install mplfonts, or Debian fonts-noto-cjk)")
+    with matplotlib.rc_context(), glyph_problems(caplog) as problems:
+        P.use_theme()
+        fig, ax = plt.subplots()
+        ax.plot([1, 2, 4], [1, 3, 2], label=P.label("標準注意力", "standard attention"))
+        ax.set_title(P.label("序列長度與記憶體（FlashAttention）", "sequence length vs memory"))
+        ax.set_xlabel(P.label("序列長度 N", "sequence length N"))
+        ax.set_ylabel(P.label("額外記憶體 (MiB)", "extra memory (MiB)"))
+        ax.legend()
+        fig.savefig(io.BytesIO(), format="png")
+        used = font_manager.findfont(ax.title.get_fontproperties(), fallback_to_default=False)
+    plt.close(fig)
+    assert ax.get_title().startswith("序列長度"), "a CJK font exists, so the labels are Chinese"
+    assert problems == [], problems
+    assert font_manager.get_font(used).family_name in P.CJK_FAMILIES, (used, font)  # drawn with a CJK font
