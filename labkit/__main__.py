@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     configs = bench.fixed_token_configs(args.seq_lens, args.head_dims, tokens=args.tokens, width=args.width)
-    df = bench.attention_sweep(configs, backends=args.backends, causal=causal, modes=args.modes,
-                               dtype=DTYPES[args.dtype], target_ms=args.target_ms)
     args.out.mkdir(parents=True, exist_ok=True)
-    df.to_csv(args.out / "attention_sweep.csv", index=False)
+    df = bench.attention_sweep(configs, backends=args.backends, causal=causal, modes=args.modes,
+                               dtype=DTYPES[args.dtype], target_ms=args.target_ms,
+                               partial_csv=args.out / "attention_sweep.csv")  # rewritten per configuration
     plots.sweep_plot(df, path=args.out / "attention_sweep.png")
     table = df.pivot_table(index=["D", "causal", "N"], columns=["backend", "mode"], values="tflops")
     print(table.to_string(float_format=lambda x: f"{x:.3g}"))

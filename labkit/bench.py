@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import pandas as pd
@@ -243,7 +244,7 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
                     causal: Iterable[bool] = (False, True), modes: Iterable[str] = ("fwd", "fwd_bwd"),
                     dtype=torch.bfloat16, device=None, target_ms: float = 100.0,
                     custom: dict[str, Callable] | None = None, custom_max_n: int | None = None,
-                    rounds: int = 3, progress: bool = True) -> pd.DataFrame:
+                    rounds: int = 3, progress: bool = True, partial_csv: str | Path | None = None) -> pd.DataFrame:
     """Benchmark backends over configurations; one row per (config, causal, mode, backend).
 
     Args:
@@ -255,6 +256,8 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
             like the backends at every N <= ``custom_max_n`` (slow Python loops: keep N small).
         target_ms: timing budget per row, split over ``rounds`` interleaved rounds in which every
             backend of one configuration is timed once (clock drift then favours none of them).
+        partial_csv: rewritten with the rows so far after every configuration, so a sweep that is
+            cut short keeps what it measured.
 
     Returns:
         DataFrame with columns backend, B, H, N, D, causal, mode, status ("ok", "oom" or the
@@ -279,6 +282,8 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
             _measure_group(group_rows, cfg, causal=c, mode=m, dtype=dtype, device=device, target_ms=target_ms,
                            rounds=rounds, custom=custom)
             rows.extend(group_rows.values())
+            if partial_csv is not None:
+                pd.DataFrame(rows, columns=SWEEP_COLUMNS).to_csv(partial_csv, index=False)
             if device.type == "cuda" or any(r["status"] != "ok" for r in group_rows.values()):
                 free_memory()  # gc.collect costs ~0.2 s: skipped on CPU when nothing failed
             bar.update(len(group))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import time
 
+import pandas as pd
 import pytest
 import torch
 
@@ -317,3 +318,21 @@ def test_auto_is_benchmarked_in_the_layout_of_the_backend_it_picks(monkeypatch, 
     _, q, _, _, got = B_._attention_call("auto", cfg, causal=False, mode="fwd", dtype=torch.float32, device="cpu")
     assert got == layout
     assert q.shape == ((1, 8, 2, 4) if layout == "bnhd" else (1, 2, 8, 4))
+
+
+def test_attention_sweep_keeps_partial_results(tmp_path):
+    written = []
+    real_to_csv = pd.DataFrame.to_csv
+
+    def spy(df, path, **kwargs):
+        written.append(len(df))
+        return real_to_csv(df, path, **kwargs)
+
+    configs = lk.bench.fixed_token_configs([16, 32], [8], tokens=32, width=16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pd.DataFrame, "to_csv", spy)
+        df = lk.bench.attention_sweep(configs, backends=["reference"], modes=("fwd",), causal=(False,),
+                                      dtype=torch.float32, device="cpu", target_ms=1, progress=False,
+                                      partial_csv=tmp_path / "sweep.csv")
+    assert written == [1, 2], "the CSV is rewritten after every configuration with the rows so far"
+    assert pd.read_csv(tmp_path / "sweep.csv")["N"].tolist() == df["N"].tolist() == [16, 32]
