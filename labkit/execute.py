@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from unittest import mock
 
 from .env import GPU_ONLY_PREFIX
 from .runguard import REPORT_PREFIX
@@ -85,16 +86,8 @@ def guarded_kernel_env(profile: str | None, artifacts: Path, *, strict: bool = F
                    "LABKIT_OUT": str(artifacts), "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
         if profile:
             updates["LABKIT_PROFILE"] = profile
-        saved = {key: os.environ.get(key) for key in updates}
-        os.environ.update(updates)
-        try:
+        with mock.patch.dict(os.environ, updates):  # restored on exit, also after an error
             yield
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
 
 
 def _text_of(output: dict) -> str:
@@ -112,13 +105,14 @@ def collect(nb, name: str, seconds: float, figures_dir: Path) -> NotebookRun:
     run = NotebookRun(name, seconds, sum(c.cell_type == "code" for c in nb.cells))
     for cell in (c for c in nb.cells if c.cell_type == "code"):
         texts, figures, reports = [], [], []
+        is_summary = SUMMARY_TAG in cell.metadata.get("tags", [])
         for output in cell.get("outputs", []):
             if output["output_type"] == "error":
                 run.errors.append(CellError(cell.id, output["ename"], output["evalue"][:500]))
             texts.append(_text_of(output))
             if output["output_type"] == "stream" and output["name"] == "stderr":
                 reports += [line for line in output["text"].splitlines() if line.startswith(REPORT_PREFIX)]
-            png = output.get("data", {}).get("image/png") if SUMMARY_TAG in cell.metadata.get("tags", []) else None
+            png = output.get("data", {}).get("image/png") if is_summary else None
             if png:
                 path = figures_dir / f"{name}_{cell.id}_{len(figures)}.png"
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +122,7 @@ def collect(nb, name: str, seconds: float, figures_dir: Path) -> NotebookRun:
         run.guard_reports += [f"{cell.id}: {line[len(REPORT_PREFIX):].strip()}" for line in reports]
         if GPU_ONLY_PREFIX in text:  # printed by lk.env.gpu_only
             run.gpu_only_cells.append(cell.id)
-        if SUMMARY_TAG in cell.metadata.get("tags", []):
+        if is_summary:
             run.results.append({"cell_id": cell.id, "text": text, "figures": figures})
     return run
 

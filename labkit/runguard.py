@@ -73,21 +73,19 @@ def _guard_network(mode: str) -> None:
             _violation(f"network access attempted to {host!r}: the course must run offline "
                        "(set HF_HUB_OFFLINE=1; use random-init models and local data)", mode, ConnectionRefusedError)
 
-    def connect(sock, address):
-        if sock.family != getattr(socket, "AF_UNIX", None):
-            check(_host_of(address))
-        return real_connect(sock, address)
-
-    def connect_ex(sock, address):
-        if sock.family != getattr(socket, "AF_UNIX", None):
-            check(_host_of(address))
-        return real_connect_ex(sock, address)
+    def checked(real_method):
+        def method(sock, address):
+            if sock.family != getattr(socket, "AF_UNIX", None):
+                check(_host_of(address))
+            return real_method(sock, address)
+        return method
 
     def getaddrinfo(host, *args, **kwargs):
         check(host if host is not None else "localhost")
         return real_getaddrinfo(host, *args, **kwargs)
 
-    socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo
+    socket.socket.connect, socket.socket.connect_ex = checked(real_connect), checked(real_connect_ex)
+    socket.getaddrinfo = getaddrinfo
 
 
 def _guard_warnings(mode: str) -> None:

@@ -13,8 +13,9 @@ import pytest
 from labkit.runguard import is_local
 
 
-def _guarded(code: str) -> subprocess.CompletedProcess:
-    program = "import labkit.runguard as g\ng.install()\ng.install()  # idempotent\n" + textwrap.dedent(code)
+def _guarded(code: str, mode: str = "raise") -> subprocess.CompletedProcess:
+    program = f"import labkit.runguard as g\ng.install({mode!r})\ng.install({mode!r})  # idempotent\n"
+    program += textwrap.dedent(code)
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
 
 
@@ -87,17 +88,14 @@ def test_other_warnings_pass_through():
 
 
 def test_report_mode_prints_and_goes_on():
-    program = textwrap.dedent("""
+    proc = _guarded("""
         import socket, warnings
-        import labkit.runguard as g
-        g.install("report")
         warnings.warn_explicit("old API", FutureWarning, "/site-packages/torch/x.py", 1, module="torch.x")
         try:
             socket.create_connection(("huggingface.co", 443), timeout=1)
         except ConnectionRefusedError as err:
             print("offline-like", err)
-    """)
-    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    """, mode="report")
     assert proc.returncode == 0, proc.stderr
     assert "offline-like network access attempted to 'huggingface.co'" in proc.stdout
     reports = [line for line in proc.stderr.splitlines() if line.startswith("[run guard]")]
