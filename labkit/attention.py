@@ -262,51 +262,42 @@ def auto_choice(q, k, v, *, causal: bool = False) -> str:
     """The backend ``backend="auto"`` uses for bhnd tensors like these (timed once per shape).
 
     Candidates are the fused backends that pass the static checks (``sdpa_math`` only when
-    none does; ``reference`` when nothing else can, e.g. causal N != Nk on a CPU). They are timed on copies of the inputs (forward, or
-    forward+backward when autograd will need it) in ``rounds`` interleaved rounds, so a GPU
-    clock that drifts during tuning favours no one; the lowest median wins and is cached per
-    (device, dtype, shape, causal, grad).
+    none does; ``reference`` when nothing else can, e.g. causal N != Nk on a CPU). They are timed
+    on copies of the inputs (forward, or forward+backward when autograd will need it), taking
+    turns call by call (:func:`labkit.bench.time_interleaved`), so a GPU clock that drifts during
+    tuning favours no one; the lowest median wins and is cached per (device, dtype, shape,
+    causal, grad). A candidate that fails on its first call (e.g. a kernel that does not compile
+    for this shape) drops out.
     """
+    from .bench import time_interleaved  # bench imports this module
+
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     key = (str(q.device), q.dtype, tuple(q.shape), tuple(k.shape), causal, needs_grad)
     if key not in _AUTO_CACHE:
         runnable = [b for b in BACKENDS[1:] if _static_problem(b, q, k, causal=causal) is None]
         names = [b for b in runnable if b != "sdpa_math"] or runnable
-        steps = {name: _step(name, q, k, v, causal, needs_grad) for name in names}
-        times: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(3):
-            for name in list(steps):
-                ms = _time_step(steps[name], q.device, needs_grad)
-                if ms is None:
-                    del steps[name]
-                else:
-                    times[name].append(ms)
-        medians = {name: sorted(times[name])[len(times[name]) // 2] for name in steps}
-        _AUTO_CACHE[key] = min(medians, key=medians.get) if medians else "reference"
+        with torch.set_grad_enabled(needs_grad):
+            timings, _ = time_interleaved({name: _step(name, q, k, v, causal, needs_grad) for name in names},
+                                          device=q.device, warmup=1, target_ms=10.0, min_reps=3, max_reps=30,
+                                          errors=_CANDIDATE_ERRORS)
+        _AUTO_CACHE[key] = min(timings, key=lambda name: timings[name].median_ms) if timings else "reference"
     return _AUTO_CACHE[key]
+
+
+_CANDIDATE_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError, ImportError)
 
 
 def _step(name: str, q, k, v, causal: bool, needs_grad: bool) -> Callable[[], None]:
     """One call of backend ``name`` on detached copies of q, k, v (with its backward if needed)."""
     q, k, v = (t.detach().requires_grad_(needs_grad) for t in (q, k, v))
+    grad_out = torch.ones(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype) if needs_grad else None
 
     def step():
         o = _run(name, q, k, v, causal, None)
-        if needs_grad:
-            o.backward(torch.ones_like(o))
+        if needs_grad:  # the gradients alone, as labkit.bench times them
+            torch.autograd.grad(o, (q, k, v), grad_out)
 
     return step
-
-
-def _time_step(step: Callable[[], None], device, needs_grad: bool) -> float | None:
-    """Median milliseconds of ``step``; None if it fails (its first call compiles kernels)."""
-    from .bench import time_fn  # bench imports this module
-
-    try:
-        with torch.set_grad_enabled(needs_grad):
-            return time_fn(step, device=device, warmup=1, target_ms=10.0, min_reps=3, max_reps=30).median_ms
-    except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError, ImportError):
-        return None
 
 
 def flops(batch: int, heads: int, n: int, head_dim: int, *, causal: bool = False,

@@ -1,7 +1,7 @@
 """Timing and memory measurement that is right on a GPU and honest on a CPU.
 
 - :func:`time_fn`: CUDA events after warm-up (optional L2 flush) on a GPU, perf_counter on a
-  CPU; median and 20/80% quantiles.
+  CPU; median and 20/80% quantiles. :func:`time_interleaved` times several calls taking turns.
 - :func:`peak_memory`: extra GPU memory a call allocates (peak minus what was there before).
 - :func:`attention_sweep`: the attention benchmark as a tidy DataFrame, one row per
   configuration and backend, out-of-memory rows recorded instead of fatal.
@@ -41,30 +41,100 @@ def _sync(device: torch.device) -> None:
 
 def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms: float = 100.0,
             min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False) -> Timing:
-    """Time ``fn()`` the right way for the device.
+    """Time ``fn()`` the right way for the device (:func:`time_interleaved` with one call)."""
+    timings, _ = time_interleaved({"fn": fn}, device=device, warmup=warmup, target_ms=target_ms,
+                                  min_reps=min_reps, max_reps=max_reps, flush_l2=flush_l2)
+    return timings["fn"]
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmup: int = 2,
+                     target_ms: float = 100.0, min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False,
+                     errors: tuple[type[BaseException], ...] = ()) -> tuple[dict[str, Timing], dict[str, BaseException]]:
+    """Time several calls against each other, call by call, so they share the GPU's conditions.
 
     GPU: a start and an end CUDA event around each call, the calls queued back to back and one
-    synchronize at the end (as ``triton.testing.do_bench`` does), after ``warmup`` calls. The
-    CPU runs ahead of the GPU, so Python launch overhead costs time only when launching is
-    slower than the kernels themselves. A warm-up of about ``target_ms / 4`` follows the
-    ``warmup`` calls (GPU clocks run high after a pause); the reps then fill about ``target_ms``.
+    synchronize per phase (as ``triton.testing.do_bench`` does). The calls take turns (A B C,
+    B C A, C A B, ...; one that needs fewer reps is spread evenly over the turns), so a clock that
+    drifts with boost, power or temperature while they are measured shifts all of them alike;
+    timed one after another, the same kernel measured twice can differ by 10% on an H100.
+    Phases: ``warmup`` calls each; ``min_reps`` timed calls each (the estimate; a call so slow
+    that they fill ``target_ms`` is timed by them alone); a warm-up of about ``target_ms / 4``
+    (GPU clocks run high after a pause); then reps that fill about ``target_ms`` per call.
     ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2.
-    A call so slow that ``min_reps`` of them fill ``target_ms`` is timed by those reps alone.
-    CPU: ``time.perf_counter`` around each call.
+    CPU: ``time.perf_counter`` around each call, in the same turns.
+
+    Returns ({name: Timing}, {name: exception}): a call that raises one of ``errors`` is dropped
+    and its exception returned; any other exception propagates.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    for _ in range(warmup):
-        fn()
-    _sync(device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
-    first = sorted(_calls_ms(fn, device, flush, min_reps))
-    estimate = first[min_reps // 2]
-    if estimate * min_reps >= target_ms:  # a slow call: the estimate's reps already fill the budget
-        return Timing(first[min_reps // 2], first[int(0.2 * min_reps)], first[int(0.8 * min_reps)], min_reps)
-    if warmup:  # settle clocks for about a quarter of the budget, like do_bench's warm-up
-        _calls_ms(fn, device, flush, int(min(max_reps, 0.25 * target_ms / max(estimate, 1e-3))))
-    reps = int(min(max_reps, max(min_reps, target_ms / max(estimate, 1e-3))))
-    times = sorted(_calls_ms(fn, device, flush, reps))
+    failures: dict[str, BaseException] = {}
+
+    def timed(reps: dict[str, int]) -> dict[str, list[float]]:
+        return _turns_ms(fns, reps, device=device, flush=flush, errors=errors, failures=failures)
+
+    for name in fns:
+        try:
+            for _ in range(warmup):
+                fns[name]()
+        except errors as err:
+            failures[name] = err
+    _sync(device)
+    first = timed({name: min_reps for name in fns})
+    timings = {name: _timing(ms) for name, ms in first.items()
+               if sorted(ms)[min_reps // 2] * min_reps >= target_ms}  # slow: the estimate fills the budget
+    estimate = {name: max(sorted(ms)[min_reps // 2], 1e-3) for name, ms in first.items() if name not in timings}
+    if warmup:
+        timed({name: int(min(max_reps, 0.25 * target_ms / est)) for name, est in estimate.items()})
+    reps = {name: int(min(max_reps, max(min_reps, target_ms / est))) for name, est in estimate.items()}
+    timings.update((name, _timing(ms)) for name, ms in timed(reps).items())
+    return timings, failures
+
+
+def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, device: torch.device,
+              flush: torch.Tensor | None, errors: tuple[type[BaseException], ...],
+              failures: dict[str, BaseException]) -> dict[str, list[float]]:
+    """Milliseconds of ``reps[name]`` calls of each function, taking turns.
+
+    Turn i starts at name i (mod the count), so every name is as often first as last; a name
+    with r of the T = max(reps) turns' calls runs in the turns where i * r // T steps up. A name
+    that raises one of ``errors`` is added to ``failures`` and dropped.
+    """
+    names = [name for name in reps if name not in failures]
+    turns = max((reps[name] for name in names), default=0)
+    pending: dict[str, list[Callable[[], float]]] = {name: [] for name in names}
+    for i in range(turns):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            if name in failures or (i + 1) * reps[name] // turns == i * reps[name] // turns:
+                continue
+            try:
+                pending[name].append(_timed_call(fns[name], device, flush))
+            except errors as err:
+                failures[name] = err
+    _sync(device)
+    return {name: [read() for read in reads] for name, reads in pending.items() if name not in failures}
+
+
+def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Tensor | None) -> Callable[[], float]:
+    """Call ``fn`` once; returns a reader of its milliseconds (valid after a synchronize on a GPU)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        return lambda: ms
+    if flush is not None:
+        flush.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    return lambda: start.elapsed_time(end)
+
+
+def _timing(ms: list[float]) -> Timing:
+    """Median and 20/80% quantiles of the times of one call."""
+    times = sorted(ms)
     pick = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     return Timing(pick(0.5), pick(0.2), pick(0.8), len(times))
 
@@ -75,27 +145,9 @@ def call_ms(fn: Callable[[], object], *, device=None) -> float:
     For work that runs once, such as one training step; use :func:`time_fn` to time repeats.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return _calls_ms(fn, device, None, 1)[0]
-
-
-def _calls_ms(fn, device: torch.device, flush: torch.Tensor | None, reps: int) -> list[float]:
-    """Milliseconds of each of ``reps`` calls of ``fn``."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return times
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        if flush is not None:
-            flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events]
+    read = _timed_call(fn, device, None)
+    _sync(device)
+    return read()
 
 
 def peak_memory(fn: Callable[[], object], *, device=None) -> float:
@@ -168,12 +220,13 @@ def _attention_call(backend: str, cfg: dict, *, causal: bool, mode: str, dtype, 
             layout = attn.native_layout(attn.auto_choice(q, k, v, causal=causal))
         del q, k, v
     q, k, v = attention_inputs(**cfg, layout=layout, dtype=dtype, device=device, requires_grad=needs_grad)
+    grad_out = torch.ones_like(q) if needs_grad else None  # o has q's shape; filled once, not per call
 
     def call():
         o = (fn(q, k, v, causal) if fn is not None else
              attn.attention(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy="ignore"))
-        if needs_grad:
-            o.backward(torch.ones_like(o))
+        if needs_grad:  # autograd.grad: the gradients alone, no accumulation into .grad timed with them
+            torch.autograd.grad(o, (q, k, v), grad_out)
         return o
 
     return call, q, k, v, layout
@@ -195,11 +248,10 @@ MIN_REPS = 5
 
 
 def _measure_group(rows: dict[str, dict], cfg: dict, *, causal: bool, mode: str, dtype, device,
-                   target_ms: float, rounds: int, custom: dict[str, Callable]) -> None:
+                   target_ms: float, custom: dict[str, Callable]) -> None:
     """Fill ``rows`` (one per backend, same configuration): error and extra memory per backend,
-    then time in ``rounds`` interleaved rounds so that a GPU clock drifting during the group
-    favours no backend; ms is the median of the rounds' medians. A call too slow for more than
-    ``MIN_REPS`` reps in one round's budget is timed in the first round only."""
+    then their times, taken call by call in turns (:func:`time_interleaved`) so that a GPU clock
+    drifting during the group favours no backend."""
     calls = {}
     with torch.set_grad_enabled(mode == "fwd_bwd"):
         for name, row in rows.items():
@@ -211,22 +263,13 @@ def _measure_group(rows: dict[str, dict], cfg: dict, *, causal: bool, mode: str,
                 calls[name], row["status"] = call, "ok"
             except _ROW_ERRORS as err:
                 row["status"] = _failure(err)
-        timings: dict[str, list[Timing]] = {name: [] for name in calls}
-        for round_ in range(rounds):
-            for name in list(calls):
-                if round_ and timings[name][0].reps <= MIN_REPS:
-                    continue  # a slow call: one round is the whole budget, clock drift is noise to it
-                try:
-                    timings[name].append(time_fn(calls[name], device=device, target_ms=target_ms / rounds,
-                                                 min_reps=MIN_REPS))
-                except _ROW_ERRORS as err:
-                    rows[name]["status"] = _failure(err)
-                    del calls[name], timings[name]
+        timings, failures = time_interleaved(calls, device=device, target_ms=target_ms, min_reps=MIN_REPS,
+                                             errors=_ROW_ERRORS)
+    for name, err in failures.items():
+        rows[name]["status"] = _failure(err)
     flop = attn.flops(cfg["B"], cfg["H"], cfg["N"], cfg["D"], causal=causal, mode=mode)
-    for name, runs in timings.items():
-        mid = lambda key: sorted(getattr(t, key) for t in runs)[len(runs) // 2]  # noqa: E731
-        rows[name].update(ms=mid("median_ms"), ms_p20=mid("p20_ms"), ms_p80=mid("p80_ms"),
-                          tflops=tflops(flop, mid("median_ms")))
+    for name, t in timings.items():
+        rows[name].update(ms=t.median_ms, ms_p20=t.p20_ms, ms_p80=t.p80_ms, tflops=tflops(flop, t.median_ms))
 
 
 def _sampled_error(o, q, k, v, *, causal: bool, layout: str, heads: int = 2) -> float:
@@ -244,7 +287,7 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
                     causal: Iterable[bool] = (False, True), modes: Iterable[str] = ("fwd", "fwd_bwd"),
                     dtype=torch.bfloat16, device=None, target_ms: float = 100.0,
                     custom: dict[str, Callable] | None = None, custom_max_n: int | None = None,
-                    rounds: int = 3, progress: bool = True, partial_csv: str | Path | None = None) -> pd.DataFrame:
+                    progress: bool = True, partial_csv: str | Path | None = None) -> pd.DataFrame:
     """Benchmark backends over configurations; one row per (config, causal, mode, backend).
 
     Args:
@@ -254,8 +297,8 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
         dtype, device: input dtype and device (default: CUDA if available).
         custom: extra implementations ``{name: fn(q, k, v, causal) -> o}`` on bhnd tensors, measured
             like the backends at every N <= ``custom_max_n`` (slow Python loops: keep N small).
-        target_ms: timing budget per row, split over ``rounds`` interleaved rounds in which every
-            backend of one configuration is timed once (clock drift then favours none of them).
+        target_ms: timing budget per row; the backends of one configuration take turns, call by
+            call (:func:`time_interleaved`), so clock drift favours none of them.
         partial_csv: rewritten with the rows so far after every configuration, so a sweep that is
             cut short keeps what it measured.
 
@@ -280,7 +323,7 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
             group_rows = {b: dict(backend=b, **cfg, causal=c, mode=m, device=info.name,
                                   dtype=str(dtype).replace("torch.", "")) for b in group}
             _measure_group(group_rows, cfg, causal=c, mode=m, dtype=dtype, device=device, target_ms=target_ms,
-                           rounds=rounds, custom=custom)
+                           custom=custom)
             rows.extend(group_rows.values())
             if partial_csv is not None:
                 pd.DataFrame(rows, columns=SWEEP_COLUMNS).to_csv(partial_csv, index=False)

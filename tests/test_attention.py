@@ -285,12 +285,9 @@ def test_auto_within_5_percent_of_fastest(n, d, causal, make_qkv, monkeypatch):
     with torch.no_grad():
         chosen = A.auto_choice(q, k, v, causal=causal)
         assert chosen in runs
-        ms = {b: float("inf") for b in runs}
-        for _ in range(2):  # interleaved rounds, best median of each: clock and thermal drift cancel
-            for b in runs:
-                t = lk.bench.time_fn(lambda: A.attention(q, k, v, causal=causal, backend=b, nan_policy="ignore"),
-                                     device=dev, warmup=3, target_ms=200)
-                ms[b] = min(ms[b], t.median_ms)
+        calls = {b: (lambda b=b: A.attention(q, k, v, causal=causal, backend=b, nan_policy="ignore")) for b in runs}
+        timings, _ = lk.bench.time_interleaved(calls, device=dev, warmup=3, target_ms=200)
+    ms = {b: t.median_ms for b, t in timings.items()}
     fastest = min(ms, key=ms.get)
     assert ms[chosen] <= 1.05 * ms[fastest], \
         f"auto chose {chosen} ({ms[chosen]:.3f} ms); {fastest}: {ms[fastest]:.3f} ms; all: {ms}"

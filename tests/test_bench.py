@@ -272,7 +272,7 @@ def test_attention_sweep_measures_custom_implementations_up_to_their_max_n():
     assert len(df[df["backend"] == "sdpa_math"]) == 2
 
 
-def test_attention_sweep_times_the_backends_of_one_configuration_in_interleaved_rounds():
+def test_attention_sweep_times_the_backends_of_one_configuration_in_turns():
     order = []
 
     def tracked(name):
@@ -284,13 +284,13 @@ def test_attention_sweep_times_the_backends_of_one_configuration_in_interleaved_
     configs = lk.bench.fixed_token_configs([16], [8], tokens=16, width=16)
     df = lk.bench.attention_sweep(configs, backends=[], custom={"a": tracked("a"), "b": tracked("b")},
                                   modes=("fwd",), causal=(False,), dtype=torch.float32, device="cpu",
-                                  target_ms=3, rounds=3, progress=False)
-    runs = [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name]  # collapse repeats
-    assert runs[-6:] == ["a", "b", "a", "b", "a", "b"], "each round times every backend once, in turn"
+                                  target_ms=3, progress=False)
+    assert order[-6:] in (["a", "b", "b", "a", "a", "b"], ["b", "a", "a", "b", "b", "a"]), \
+        "the backends take turns call by call, each as often first as second"
     assert (df["status"] == "ok").all() and df["ms"].notna().all()
 
 
-def test_attention_sweep_times_a_slow_call_in_one_round():
+def test_attention_sweep_times_a_slow_call_by_its_estimate():
     order = []
 
     def tracked(name, sleep_s):
@@ -303,12 +303,61 @@ def test_attention_sweep_times_a_slow_call_in_one_round():
     configs = lk.bench.fixed_token_configs([16], [8], tokens=16, width=16)
     df = lk.bench.attention_sweep(configs, backends=[], custom={"fast": tracked("fast", 0), "slow": tracked("slow", 0.01)},
                                   modes=("fwd",), causal=(False,), dtype=torch.float32, device="cpu",
-                                  target_ms=30, rounds=3, progress=False)
+                                  target_ms=30, progress=False)
     timed_slow = order.count("slow") - 2  # minus the error check and the memory probe
-    assert timed_slow == 2 + lk.bench.MIN_REPS, "warm-up and one round of MIN_REPS reps, no second round"
-    runs = [name for i, name in enumerate(order) if i == 0 or order[i - 1] != name]
-    assert runs[-3:] == ["fast", "slow", "fast"], "round 1 times both; rounds 2 and 3 only the fast one"
+    assert timed_slow == 2 + lk.bench.MIN_REPS, "warm-up and the MIN_REPS estimate calls, no more"
+    assert order.count("fast") > timed_slow + 2, "the fast backend goes on to fill its budget"
     assert (df["status"] == "ok").all()
+    slow_row = df[df["backend"] == "slow"].iloc[0]
+    assert 10 <= slow_row["ms"] < 60 and slow_row["ms_p20"] <= slow_row["ms"] <= slow_row["ms_p80"]
+
+
+def test_turns_rotate_the_order_and_spread_the_rarer_calls():
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    got = B_._turns_ms(fns, {"a": 6, "b": 6, "c": 2}, device=torch.device("cpu"), flush=None, errors=(),
+                       failures={})
+    assert {name: len(ms) for name, ms in got.items()} == {"a": 6, "b": 6, "c": 2}
+    assert order[:2] == ["a", "b"] and order[2:4] == ["b", "a"], "turn i starts at name i"
+    c_at = [i for i, name in enumerate(order) if name == "c"]
+    assert order[c_at[0] + 1:c_at[1]].count("a") >= 2, "the two calls of c are spread over the turns"
+
+
+def test_taking_turns_cancels_a_drifting_clock():
+    calls = [0]
+
+    def same_kernel():  # each call 1% slower than the one before: a clock that throttles
+        calls[0] += 1
+        end = time.perf_counter() + 1e-3 * (1 + 0.01 * calls[0])
+        while time.perf_counter() < end:
+            pass
+
+    one_after_other = [B_.time_fn(same_kernel, device="cpu", target_ms=30).median_ms for _ in "ab"]
+    assert one_after_other[1] / one_after_other[0] > 1.1, "timed one after the other, the second looks slower"
+    calls[0] = 0
+    timings, _ = B_.time_interleaved({"a": same_kernel, "b": same_kernel}, device="cpu", target_ms=30)
+    assert timings["b"].median_ms / timings["a"].median_ms == pytest.approx(1.0, abs=0.03), \
+        "taking turns, both see the same clock"
+
+
+def test_time_interleaved_drops_a_failing_call_and_times_the_rest():
+    calls = {"ok": 0, "bad": 0}
+
+    def ok():
+        calls["ok"] += 1
+
+    def bad():
+        calls["bad"] += 1
+        if calls["bad"] == 4:  # fails while being timed, after its warm-up
+            raise RuntimeError("CUDA out of memory")
+
+    timings, failures = B_.time_interleaved({"ok": ok, "bad": bad}, device="cpu", target_ms=1, min_reps=3,
+                                            max_reps=5, errors=(RuntimeError,))
+    assert set(timings) == {"ok"} and timings["ok"].reps == 5
+    assert list(failures) == ["bad"] and "out of memory" in str(failures["bad"])
+    with pytest.raises(RuntimeError):
+        calls["bad"] = 0
+        B_.time_interleaved({"bad": bad}, device="cpu", target_ms=1, min_reps=3)  # not in errors: raised
 
 
 @pytest.mark.parametrize("choice, layout", [("fa4", "bnhd"), ("flash_attn", "bnhd"), ("sdpa_cudnn", "bhnd")])
@@ -318,6 +367,18 @@ def test_auto_is_benchmarked_in_the_layout_of_the_backend_it_picks(monkeypatch, 
     _, q, _, _, got = B_._attention_call("auto", cfg, causal=False, mode="fwd", dtype=torch.float32, device="cpu")
     assert got == layout
     assert q.shape == ((1, 8, 2, 4) if layout == "bnhd" else (1, 2, 8, 4))
+
+
+def test_forward_backward_call_times_the_gradients_without_accumulating_them():
+    cfg = dict(B=1, H=2, N=16, D=8)
+    call, q, k, v, _ = B_._attention_call("sdpa_math", cfg, causal=True, mode="fwd_bwd", dtype=torch.float32,
+                                          device="cpu")
+    seen = []
+    q.register_hook(lambda g: seen.append(g.clone()))
+    call(), call()
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1]), "each call computes dL/dq afresh"
+    assert seen[0].abs().sum() > 0
+    assert q.grad is None and k.grad is None and v.grad is None, "no .grad accumulates between timed calls"
 
 
 def test_attention_sweep_keeps_partial_results(tmp_path):
