@@ -12,6 +12,7 @@ Used in: 01_setup_and_comparison, 04_performance_analysis.
 from __future__ import annotations
 
 import gc
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,16 +51,21 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
 def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmup: int = 2,
                      target_ms: float = 100.0, min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False,
                      errors: tuple[type[BaseException], ...] = ()) -> tuple[dict[str, Timing], dict[str, BaseException]]:
-    """Time several calls against each other, call by call, so they share the GPU's conditions.
+    """Time several calls against each other, taking turns, so that they share the GPU's conditions.
 
     GPU: a start and an end CUDA event around each call, the calls queued back to back and one
-    synchronize per phase (as ``triton.testing.do_bench`` does). The calls take turns (A B C,
+    synchronize per phase (as ``triton.testing.do_bench`` does). The functions take turns (A B C,
     B C A, C A B, ...; one that needs fewer reps is spread evenly over the turns), so a clock that
     drifts with boost, power or temperature while they are measured shifts all of them alike;
     timed one after another, the same kernel measured twice can differ by 10% on an H100.
-    Phases: ``warmup`` calls each; ``min_reps`` timed calls each (the estimate; a call so slow
-    that they fill ``target_ms`` is timed by them alone); a warm-up of about ``target_ms / 4``
-    (GPU clocks run high after a pause); then reps that fill about ``target_ms`` per call.
+    In the timed phase a turn is a block of consecutive calls of one function, about
+    ``BLOCK_MS`` long and at least ``MIN_BLOCK`` calls, whose first call is an untimed lead-in:
+    after a function whose launches are slower than its kernels the GPU has run dry, and the
+    next call would count its own launch as kernel time.
+    Phases: ``warmup`` calls each (the last one, synchronized, tells which calls are fast enough
+    for blocks); ``min_reps`` timed calls each (the estimate; a call so slow that they fill
+    ``target_ms`` is timed by them alone); a warm-up of about ``target_ms / 4``
+    (GPU clocks run high after a pause); then reps that fill about ``target_ms`` per function.
     ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2.
     CPU: ``time.perf_counter`` around each call, in the same turns.
 
@@ -70,46 +76,62 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
     failures: dict[str, BaseException] = {}
 
-    def timed(reps: dict[str, int]) -> dict[str, list[float]]:
-        return _turns_ms(fns, reps, device=device, flush=flush, errors=errors, failures=failures)
+    def timed(reps: dict[str, int], block: dict[str, int] | None = None) -> dict[str, list[float]]:
+        return _turns_ms(fns, reps, block=block, device=device, flush=flush, errors=errors, failures=failures)
 
+    probe = {}  # the last warm-up call, synchronized: which calls are fast enough for blocks
     for name in fns:
         try:
             for _ in range(warmup):
-                fns[name]()
+                read = _timed_call(fns[name], device, None)
+            _sync(device)
+            probe[name] = read() if warmup else math.inf
         except errors as err:
             failures[name] = err
-    _sync(device)
-    first = timed({name: min_reps for name in fns})
+    fast = {name: MIN_BLOCK for name, ms in probe.items() if ms * min_reps < target_ms}
+    first = timed({name: min_reps for name in fns}, fast if len(fns) > 1 else None)
     timings = {name: _timing(ms) for name, ms in first.items()
                if sorted(ms)[min_reps // 2] * min_reps >= target_ms}  # slow: the estimate fills the budget
     estimate = {name: max(sorted(ms)[min_reps // 2], 1e-3) for name, ms in first.items() if name not in timings}
     if warmup:
         timed({name: int(min(max_reps, 0.25 * target_ms / est)) for name, est in estimate.items()})
     reps = {name: int(min(max_reps, max(min_reps, target_ms / est))) for name, est in estimate.items()}
-    timings.update((name, _timing(ms)) for name, ms in timed(reps).items())
+    block = {name: max(MIN_BLOCK, math.ceil(BLOCK_MS / est)) for name, est in estimate.items()} if len(fns) > 1 else None
+    timings.update((name, _timing(ms)) for name, ms in timed(reps, block).items())
     return timings, failures
 
 
-def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, device: torch.device,
-              flush: torch.Tensor | None, errors: tuple[type[BaseException], ...],
+BLOCK_MS = 2.0  # a turn of time_interleaved: short next to the tens of ms over which GPU clocks drift
+MIN_BLOCK = 3   # a lead-in and at least two timed calls
+
+
+def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, block: dict[str, int] | None,
+              device: torch.device, flush: torch.Tensor | None, errors: tuple[type[BaseException], ...],
               failures: dict[str, BaseException]) -> dict[str, list[float]]:
     """Milliseconds of ``reps[name]`` calls of each function, taking turns.
 
-    Turn i starts at name i (mod the count), so every name is as often first as last; a name
-    with r of the T = max(reps) turns' calls runs in the turns where i * r // T steps up. A name
-    that raises one of ``errors`` is added to ``failures`` and dropped.
+    A turn of ``name`` is ``block[name]`` consecutive calls (1 when ``block`` is None); in a
+    block of more than one the first call is a lead-in, run but not timed. Turn i starts at
+    name i (mod the count), so every name is as often first as last; a name that needs b of
+    the T = max blocks runs in the turns where i * b // T steps up (evenly spread). A name that
+    raises one of ``errors`` is added to ``failures`` and dropped.
     """
     names = [name for name in reps if name not in failures]
-    turns = max((reps[name] for name in names), default=0)
+    size = {name: (block or {}).get(name, 1) for name in names}
+    per_block = {name: max(1, size[name] - 1) for name in names}  # timed calls in one block
+    blocks = {name: math.ceil(reps[name] / per_block[name]) for name in names}
+    turns = max(blocks.values(), default=0)
     pending: dict[str, list[Callable[[], float]]] = {name: [] for name in names}
     for i in range(turns):
         for j in range(len(names)):
             name = names[(i + j) % len(names)]
-            if name in failures or (i + 1) * reps[name] // turns == i * reps[name] // turns:
+            if name in failures or (i + 1) * blocks[name] // turns == i * blocks[name] // turns:
                 continue
             try:
-                pending[name].append(_timed_call(fns[name], device, flush))
+                if size[name] > 1:
+                    fns[name]()  # lead-in: may wait for the GPU queue to refill
+                for _ in range(min(per_block[name], reps[name] - len(pending[name]))):
+                    pending[name].append(_timed_call(fns[name], device, flush))
             except errors as err:
                 failures[name] = err
     _sync(device)
