@@ -264,7 +264,7 @@ def auto_choice(q, k, v, *, causal: bool = False) -> str:
     Candidates are the fused backends that pass the static checks (``sdpa_math`` only when
     none does; ``reference`` when nothing else can, e.g. causal N != Nk on a CPU). They are timed
     on copies of the inputs (forward, or forward+backward when autograd will need it), taking
-    turns call by call (:func:`labkit.bench.time_interleaved`), so a GPU clock that drifts during
+    turns in short blocks (:func:`labkit.bench.time_interleaved`), so a GPU clock that drifts during
     tuning favours no one; the lowest median wins and is cached per (device, dtype, shape,
     causal, grad). A candidate that fails on its first call (e.g. a kernel that does not compile
     for this shape) drops out.
