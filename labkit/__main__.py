@@ -29,15 +29,18 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="device, dtypes and which attention backends run here")
     bench = sub.add_parser("bench", help="attention sweep to CSV and PNG")
     gpu = torch.cuda.is_available()
-    bench.add_argument("--seq-lens", type=_ints, default=_ints("512,1024,2048,4096,8192,16384" if gpu else "128,256,512"))
-    bench.add_argument("--head-dims", type=_ints, default=_ints("64,128" if gpu else "64"))
+    bench.add_argument("--seq-lens", type=_ints, default=_ints("512,1024,2048,4096,8192,16384" if gpu else "128,256,512"),
+                       help="comma-separated sequence lengths N")
+    bench.add_argument("--head-dims", type=_ints, default=_ints("64,128" if gpu else "64"),
+                       help="comma-separated head dims D")
     bench.add_argument("--tokens", type=int, default=16384 if gpu else 1024, help="B*N per configuration")
     bench.add_argument("--width", type=int, default=2048 if gpu else 256, help="H*D per configuration")
-    bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if gpu else "fp32")
+    bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if gpu else "fp32", help="input dtype")
     bench.add_argument("--backends", type=lambda s: s.split(","), default=None,
                        help="comma-separated names (default: every backend that runs here, plus auto)")
-    bench.add_argument("--modes", type=lambda s: s.split(","), default=["fwd", "fwd_bwd"])
-    bench.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    bench.add_argument("--modes", type=lambda s: s.split(","), default=["fwd", "fwd_bwd"],
+                       help="fwd, fwd_bwd or both (comma-separated)")
+    bench.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="causal mask rows to run")
     bench.add_argument("--target-ms", type=float, default=100.0, help="timing budget per row")
     bench.add_argument("--out", type=Path, default=Path("build/bench"), help="output folder")
     execute = sub.add_parser("execute", help="run the solution notebooks here; copies and summary.md")
@@ -70,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(bench.attn.BACKENDS)}, auto",
               file=sys.stderr)
+        return 2
+    if not args.modes or set(args.modes) - {"fwd", "fwd_bwd"}:
+        print(f"--modes takes fwd, fwd_bwd or fwd,fwd_bwd; got {','.join(args.modes)!r}", file=sys.stderr)
         return 2
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     configs = bench.fixed_token_configs(args.seq_lens, args.head_dims, tokens=args.tokens, width=args.width)

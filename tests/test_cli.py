@@ -76,3 +76,11 @@ def test_bad_arguments_exit_2(argv, capsys):
         main(argv)
     assert info.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("modes", ["bwd", "fwd,backward", ","])
+def test_bench_unknown_mode_exits_2(tmp_path, capsys, modes):
+    out = tmp_path / "never"
+    assert main(["bench", "--modes", modes, "--out", str(out)]) == 2
+    assert "--modes takes fwd, fwd_bwd or fwd,fwd_bwd" in capsys.readouterr().err
+    assert not out.exists(), "nothing is written for a bad command"
