@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .attention import MODES
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -38,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if gpu else "fp32", help="input dtype")
     bench.add_argument("--backends", type=lambda s: s.split(","), default=None,
                        help="comma-separated names (default: every backend that runs here, plus auto)")
-    bench.add_argument("--modes", type=lambda s: s.split(","), default=["fwd", "fwd_bwd"],
+    bench.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
                        help="fwd, fwd_bwd or both (comma-separated)")
     bench.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="causal mask rows to run")
     bench.add_argument("--target-ms", type=float, default=100.0, help="timing budget per row")
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(bench.attn.BACKENDS)}, auto",
               file=sys.stderr)
         return 2
-    if not args.modes or set(args.modes) - {"fwd", "fwd_bwd"}:
+    if not args.modes or set(args.modes) - set(MODES):
         print(f"--modes takes fwd, fwd_bwd or fwd,fwd_bwd; got {','.join(args.modes)!r}", file=sys.stderr)
         return 2
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]

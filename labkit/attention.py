@@ -300,6 +300,9 @@ def _step(name: str, q, k, v, causal: bool, needs_grad: bool) -> Callable[[], No
     return step
 
 
+MODES = ("fwd", "fwd_bwd")  # what flops() and the benchmarks time: forward, forward+backward
+
+
 def flops(batch: int, heads: int, n: int, head_dim: int, *, causal: bool = False,
           mode: str = "fwd", nk: int | None = None) -> float:
     """FLOPs of attention: 4*B*H*N*Nk*D forward (two matmuls), halved when causal,
@@ -308,7 +311,7 @@ def flops(batch: int, heads: int, n: int, head_dim: int, *, causal: bool = False
     total = 4.0 * batch * heads * n * nk * head_dim
     if causal:
         total /= 2
-    if mode not in ("fwd", "fwd_bwd"):
+    if mode not in MODES:
         raise ValueError(f"mode must be 'fwd' or 'fwd_bwd', got {mode!r}")
     return total * (3.5 if mode == "fwd_bwd" else 1.0)
 

@@ -89,14 +89,13 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
         except errors as err:
             failures[name] = err
     fast = {name: MIN_BLOCK for name, ms in probe.items() if ms * min_reps < target_ms}
-    first = timed({name: min_reps for name in fns}, fast if len(fns) > 1 else None)
-    timings = {name: _timing(ms) for name, ms in first.items()
-               if sorted(ms)[min_reps // 2] * min_reps >= target_ms}  # slow: the estimate fills the budget
-    estimate = {name: max(sorted(ms)[min_reps // 2], 1e-3) for name, ms in first.items() if name not in timings}
+    first = {name: _timing(ms) for name, ms in timed({name: min_reps for name in fns}, fast).items()}
+    timings = {name: t for name, t in first.items() if t.median_ms * min_reps >= target_ms}  # slow: done
+    estimate = {name: max(t.median_ms, 1e-3) for name, t in first.items() if name not in timings}
     if warmup:
         timed({name: int(min(max_reps, 0.25 * target_ms / est)) for name, est in estimate.items()})
     reps = {name: int(min(max_reps, max(min_reps, target_ms / est))) for name, est in estimate.items()}
-    block = {name: max(MIN_BLOCK, math.ceil(BLOCK_MS / est)) for name, est in estimate.items()} if len(fns) > 1 else None
+    block = {name: max(MIN_BLOCK, math.ceil(BLOCK_MS / est)) for name, est in estimate.items()}
     timings.update((name, _timing(ms)) for name, ms in timed(reps, block).items())
     return timings, failures
 
@@ -110,14 +109,15 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
               failures: dict[str, BaseException]) -> dict[str, list[float]]:
     """Milliseconds of ``reps[name]`` calls of each function, taking turns.
 
-    A turn of ``name`` is ``block[name]`` consecutive calls (1 when ``block`` is None); in a
-    block of more than one the first call is a lead-in, run but not timed. Turn i starts at
+    A turn of ``name`` is ``block[name]`` consecutive calls (1 when ``block`` is None or there is
+    only one name: nothing else runs between its calls); in a block of more than one the first
+    call is a lead-in, run but not timed. Turn i starts at
     name i (mod the count), so every name is as often first as last; a name that needs b of
     the T = max blocks runs in the turns where i * b // T steps up (evenly spread). A name that
     raises one of ``errors`` is added to ``failures`` and dropped.
     """
     names = [name for name in reps if name not in failures]
-    size = {name: (block or {}).get(name, 1) for name in names}
+    size = {name: (block or {}).get(name, 1) if len(names) > 1 else 1 for name in names}
     per_block = {name: max(1, size[name] - 1) for name in names}  # timed calls in one block
     blocks = {name: math.ceil(reps[name] / per_block[name]) for name in names}
     turns = max(blocks.values(), default=0)
@@ -306,7 +306,7 @@ SWEEP_COLUMNS = ["backend", "B", "H", "N", "D", "causal", "mode", "status", "ms"
 
 
 def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = None,
-                    causal: Iterable[bool] = (False, True), modes: Iterable[str] = ("fwd", "fwd_bwd"),
+                    causal: Iterable[bool] = (False, True), modes: Iterable[str] = attn.MODES,
                     dtype=torch.bfloat16, device=None, target_ms: float = 100.0,
                     custom: dict[str, Callable] | None = None, custom_max_n: int | None = None,
                     progress: bool = True, partial_csv: str | Path | None = None) -> pd.DataFrame:

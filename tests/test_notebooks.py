@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from labkit.bundle import MARKERS
 from nbgrader_course import (ASSIGNMENTS, ROOT, load, make_course, nbgrader_cells, perfect_submission,
                              run_nbgrader, scores, submit)
 
@@ -37,7 +38,7 @@ def test_release_is_regenerated_from_solutions(tmp_path, assignment):
 def test_release_holds_no_solutions_hidden_tests_or_outputs(assignment):
     release = ROOT / "notebooks" / assignment / f"{assignment}.ipynb"
     text = release.read_text(encoding="utf-8")
-    for marker in ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS"):
+    for marker in MARKERS:
         assert marker not in text, f"{release} contains {marker!r}"
     for path in (release, ROOT / "solutions" / assignment / f"{assignment}.ipynb"):
         for cell in load(path)["cells"]:
