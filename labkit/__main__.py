@@ -62,10 +62,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from . import bench, env, plots
+    from . import bench, doctor, plots
 
     if args.command == "doctor":
-        env.report()
+        doctor.report()
         return 0
     if args.command == "execute":
         return _execute(args)

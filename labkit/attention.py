@@ -1,78 +1,40 @@
-"""Attention: a readable reference and one entry point over every fast kernel.
+"""Attention: one entry point over every kernel, checked once and cheap on every call after.
 
 Shapes use one vocabulary: B batch, H heads, N query length, Nk key length, D head dim.
 Two layouts are named, never implied: ``"bhnd"`` ([B, H, N, D], SDPA's) and ``"bnhd"``
 ([B, N, H, D], flash-attn's). Causal masking is aligned bottom-right, as in flash-attn and in
 decoding with a KV cache: query i may see keys j <= i + (Nk - N).
 
-Backends:
-- ``reference``: materialized scores, fp32 softmax (:func:`reference_attention`).
-- ``sdpa_math``, ``sdpa_efficient``, ``sdpa_flash``, ``sdpa_cudnn``: PyTorch's
-  ``scaled_dot_product_attention`` pinned to one kernel.
-- ``flash_attn``: the FlashAttention-2 package (``flash_attn.flash_attn_func``).
-- ``fa4``: FlashAttention-4 (``flash_attn.cute.flash_attn_func``), CuTe-DSL kernels.
-- ``auto``: the fastest backend that runs here for this shape, timed once and cached.
+Backends (:mod:`labkit.kernels`): ``reference`` (:func:`reference_attention`), ``sdpa_math``,
+``sdpa_efficient``, ``sdpa_flash``, ``sdpa_cudnn``, ``flash_attn`` (FlashAttention-2), ``fa4``
+(FlashAttention-4), and ``auto``: the fastest that runs here for this shape, timed once and cached.
+
+Dispatch: the first call with a new *key* (backend, layout, causal, shapes, dtypes, devices,
+whether autograd needs gradients, the autocast dtype) validates the input, resolves ``auto``
+and builds a plan: the kernel call with its layout transposes. Every later call with that key
+looks the plan up and runs it, so labkit adds about a dictionary look-up to the kernel launch.
 
 Used in: 01_setup_and_comparison, 02_gpt2_integration, 03_long_sequence_training.
 """
 from __future__ import annotations
 
 import difflib
-import functools
-import warnings
+import threading
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BACKENDS = ("reference", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "flash_attn", "fa4")
+from .kernels import (BACKENDS, HALF, RUN_ERRORS, RUNNERS, AttentionInputError, causal_mask, native_layout,
+                      reference_attention, static_problem, why_not)
+from .measure import time_interleaved
+
 LAYOUTS = ("bhnd", "bnhd")
 NAN_POLICIES = ("raise", "ignore")
-_SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
-         "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-_HALF = (torch.float16, torch.bfloat16)
+MODES = ("fwd", "fwd_bwd")  # what flops() and the benchmarks time: forward, forward+backward
+MAX_PLANS = 4096  # distinct keys kept (decoding with a growing KV cache makes a new key per token)
 
-
-class AttentionInputError(ValueError):
-    """Input that an attention backend cannot take; the message says how to fix it."""
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                        scale: float | None = None, mask: torch.Tensor | None = None):
-    """Standard attention with the N x Nk score matrix materialized.
-
-    Matmuls run in the input dtype, the softmax in fp32 (as most frameworks do; fp64 inputs stay fp64).
-
-    Args:
-        q: [..., N, D]; k, v: [..., Nk, D] (any leading dims, e.g. B, H).
-        causal: mask keys after each query (bottom-right aligned).
-        scale: score scale, default 1/sqrt(D).
-        mask: optional bool tensor broadcastable to [..., N, Nk]; True = may attend.
-
-    Returns:
-        (o, lse): o [..., N, D] in q's dtype; lse [..., N] fp32 (fp64 for fp64 inputs) log-sum-exp of the scaled
-        scores per query (-inf for a row with no visible key, whose output is 0).
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-    scores = (q @ k.transpose(-2, -1)).to(acc) * scale  # [..., N, Nk]
-    keep = causal_mask(q.shape[-2], k.shape[-2], q.device) if causal else None
-    if mask is not None:
-        keep = mask if keep is None else keep & mask
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [..., N]
-    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(scores - safe_lse.unsqueeze(-1))  # [..., N, Nk], rows sum to 1 (or are all 0)
-    return p.to(v.dtype) @ v, lse
-
-
-def causal_mask(n: int, nk: int, device=None) -> torch.Tensor:
-    """Bool [n, nk] mask, True where query i may see key j (j <= i + nk - n)."""
-    i = torch.arange(n, device=device).unsqueeze(1)
-    j = torch.arange(nk, device=device).unsqueeze(0)
-    return j <= i + (nk - n)
+Plan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], torch.Tensor]
+_PLANS: dict[tuple, Plan] = {}
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -86,53 +48,94 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         causal: bottom-right aligned causal mask.
         scale: default 1/sqrt(D).
         backend: one of BACKENDS or "auto".
-        layout: "bhnd" or "bnhd"; the output has the same layout and dtype as q.
-        nan_policy: "raise" checks q, k, v for NaN/Inf first (one GPU sync);
+        layout: "bhnd" or "bnhd"; the output has the same layout as q, and q's dtype (under
+            autocast, fp32 inputs run in the autocast dtype, as SDPA does).
+        nan_policy: "raise" checks q, k, v for NaN/Inf on every call (one GPU sync);
             "ignore" skips the check (benchmarks, training loops).
 
     Returns:
-        o: attention output in q's layout and dtype.
+        o: attention output in q's layout.
     """
-    validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy=nan_policy)
-    if layout == "bnhd":
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if backend == "auto":
-        backend = auto_choice(q, k, v, causal=causal)
-    o = _run(backend, q, k, v, causal, scale)
-    return o.transpose(1, 2) if layout == "bnhd" else o
-
-
-def _run(backend: str, q, k, v, causal: bool, scale: float | None) -> torch.Tensor:
-    """Call one backend on bhnd tensors; returns a bhnd output."""
-    if backend == "reference":
-        return reference_attention(q, k, v, causal=causal, scale=scale)[0]
-    if backend in _SDPA:
-        with sdpa_kernel(_SDPA[backend]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    fn = _flash_function(backend)
-    out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal)
-    out = out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
-    return out.transpose(1, 2)
-
-
-@functools.cache
-def _flash_function(backend: str) -> Callable:
-    """Import a FlashAttention package's ``flash_attn_func``; ImportError says how to install."""
+    if torch.compiler.is_compiling():
+        return _traced_attention(q, k, v, causal, scale, backend, layout, nan_policy)
     try:
-        if backend == "flash_attn":
-            from flash_attn import flash_attn_func
-        else:
-            from flash_attn.cute import flash_attn_func
+        key = _key(q, k, v, causal, backend, layout, nan_policy)
+        plan = _PLANS[key]
+    except (AttributeError, TypeError, KeyError):  # not tensors (validate says so), or a new key
+        plan = _new_plan(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy=nan_policy)
+    if nan_policy == "raise":
+        _check_finite(q, k, v)
+    return plan(q, k, v, scale)
 
-            # The CuTe DSL warns about FA4's own auxiliary argument on every new shape.
-            warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted",
-                                    category=UserWarning)
-    except ImportError as err:
-        hint = ("pip install flash-attn --no-build-isolation (FlashAttention-2, sm80+, compiles "
-                "against your CUDA)" if backend == "flash_attn" else
-                "pip install flash-attn-4 (FlashAttention-4, Hopper/Blackwell)")
-        raise ImportError(f"backend {backend!r} needs a package that is not installed: {hint}") from err
-    return flash_attn_func
+
+def _key(q, k, v, causal, backend, layout, nan_policy) -> tuple:
+    """Everything the plan depends on; raises AttributeError for inputs that are not tensors."""
+    device = q.device
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    cast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    return (backend, layout, causal, nan_policy, grad, cast, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+            device, k.device, v.device)
+
+
+def _new_plan(q, k, v, *, causal, backend, layout, nan_policy) -> Plan:
+    """Validate, resolve "auto", build the plan and cache it under its key."""
+    validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy="ignore")
+    _check_choice("nan_policy", nan_policy, NAN_POLICIES)
+    cast, needs_grad = _cast_dtype(q), _needs_grad(q, k, v)
+    name = auto_choice(q, k, v, causal=causal, layout=layout) if backend == "auto" else backend
+    plan = _plan(name, layout, causal, needs_grad, cast)
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[_key(q, k, v, causal, backend, layout, nan_policy)] = plan
+    return plan
+
+
+def _plan(backend: str, layout: str, causal: bool, needs_grad: bool, cast: torch.dtype | None) -> Plan:
+    """``plan(q, k, v, scale) -> o`` in ``layout``: ``backend``'s kernel, with transposes to and from
+    its native layout and the autocast cast."""
+    run = RUNNERS[backend]
+    if native_layout(backend) == layout:
+        def plan(q, k, v, scale):
+            if cast is not None:
+                q, k, v = q.to(cast), k.to(cast), v.to(cast)
+            return run(q, k, v, causal, scale, needs_grad)
+    else:
+        def plan(q, k, v, scale):
+            if cast is not None:
+                q, k, v = q.to(cast), k.to(cast), v.to(cast)
+            return run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale, needs_grad).transpose(1, 2)
+    return plan
+
+
+def _traced_attention(q, k, v, causal, scale, backend, layout, nan_policy) -> torch.Tensor:
+    """``attention`` while torch.compile traces it: no plan cache (the checks are traced once per
+    graph); "auto" is resolved outside the graph, on real tensors."""
+    validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy=nan_policy)
+    name = _auto_outside_graph(q, k, v, causal, layout) if backend == "auto" else backend
+    return _plan(name, layout, causal, _needs_grad(q, k, v), _cast_dtype(q))(q, k, v, scale)
+
+
+@torch.compiler.disable
+def _auto_outside_graph(q, k, v, causal: bool, layout: str) -> str:
+    return auto_choice(q, k, v, causal=causal, layout=layout)
+
+
+def _needs_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _cast_dtype(q) -> torch.dtype | None:
+    """The dtype autocast runs attention in for q's device, or None (autocast off or q not fp32)."""
+    device = q.device.type
+    if q.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return None
+
+
+def _check_finite(q, k, v) -> None:
+    if not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
+        raise AttentionInputError("q, k or v contains NaN or Inf. Find where it first appears (e.g. "
+                                  "lk.precision's NaN monitor), or pass nan_policy='ignore' to skip this check.")
 
 
 # ----------------------------------------------------------------------------- input checks
@@ -163,14 +166,16 @@ def validate(q, k, v, *, causal: bool = False, backend: str = "auto", layout: st
         raise AttentionInputError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); "
                                   "move them with .to(q.device).")
     _check_shapes(q, k, v, layout)
-    if nan_policy == "raise" and not all(bool(torch.isfinite(t).all()) for t in (q, k, v)):
-        raise AttentionInputError("q, k or v contains NaN or Inf. Find where it first appears (e.g. "
-                                  "lk.precision's NaN monitor), or pass nan_policy='ignore' to skip this check.")
+    if nan_policy == "raise":
+        _check_finite(q, k, v)
     if backend not in ("auto", "reference"):
-        as_bhnd = [t.transpose(1, 2) for t in (q, k)] if layout == "bnhd" else [q, k]
-        problem = _static_problem(backend, *as_bhnd, causal=causal)
+        problem = static_problem(backend, *_as_bhnd(q, k, layout=layout), causal=causal, dtype=_cast_dtype(q))
         if problem:
             raise AttentionInputError(f"backend {backend!r}: {problem}")
+
+
+def _as_bhnd(*tensors, layout: str):
+    return tensors if layout == "bhnd" else tuple(t.transpose(1, 2) for t in tensors)
 
 
 def _check_choice(what: str, value, allowed) -> None:
@@ -203,105 +208,79 @@ def _check_shapes(q, k, v, layout: str) -> None:
                 "grouped-query attention repeat k, v heads with .repeat_interleave(H // Hkv, dim=1).")
 
 
-def _static_problem(backend: str, q, k, *, causal: bool) -> str | None:
-    """What stops ``backend`` from taking bhnd q, k, knowable without running it (None = nothing)."""
-    n, nk, d = q.shape[2], k.shape[2], q.shape[3]
-    on_cuda = q.device.type == "cuda"
-    sm = _sm(q.device) if on_cuda else 0
-    if backend in _SDPA and causal and n != nk:
-        return (f"causal with N={n} != Nk={nk}: SDPA aligns the causal mask top-left, labkit bottom-right "
-                "(as in a KV cache). Use backend='reference', 'flash_attn' or 'fa4', or pass equal lengths.")
-    if backend in ("sdpa_efficient", "sdpa_cudnn", "flash_attn", "fa4") and not on_cuda:
-        return f"needs a CUDA GPU (tensors are on {q.device}); on CPU use 'sdpa_math', 'sdpa_flash' or 'reference'."
-    half_only = backend in ("flash_attn", "fa4", "sdpa_cudnn") or (backend == "sdpa_flash" and on_cuda)
-    if half_only and q.dtype not in _HALF:
-        return (f"takes only float16/bfloat16, got {q.dtype}. Cast with .to(torch.bfloat16) or run under "
-                "torch.autocast('cuda', dtype=torch.bfloat16); for fp32 use 'sdpa_math' or 'sdpa_efficient'.")
-    if backend in ("flash_attn", "fa4", "sdpa_flash") and on_cuda and sm < 80:
-        return f"needs an Ampere or newer GPU (sm80+); this GPU is sm{sm}. Use 'sdpa_efficient' or 'sdpa_math'."
-    if backend in ("flash_attn", "sdpa_flash", "sdpa_efficient") and (d > 256 or d % 8):
-        return f"head dim {d} unsupported: needs a multiple of 8 up to 256. Pad D or use 'sdpa_math'."
-    if backend in ("fa4", "sdpa_cudnn") and (d > 256 or d % 8):
-        return f"head dim {d} unsupported: needs a multiple of 8 up to 256 (128 on some GPUs). Use 'sdpa_math'."
-    return None
-
-
-@functools.cache
-def _sm(device: torch.device) -> int:
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
-
-
-def why_not(backend: str, *, device, dtype: torch.dtype, head_dim: int = 64, causal: bool = True,
-            backward: bool = True) -> str | None:
-    """None if ``backend`` runs a small [1, 2, 128, head_dim] problem here, else the reason."""
-    dev = torch.device(device)
-    q, k, v = (torch.randn(1, 2, 128, head_dim, device=dev, dtype=dtype, requires_grad=backward)
-               for _ in range(3))
-    problem = None if backend == "reference" else _static_problem(backend, q, k, causal=causal)
-    if problem:
-        return problem
-    try:
-        o = _run(backend, q, k, v, causal, None)
-        if backward:
-            o.float().sum().backward()
-    except ImportError as err:
-        return str(err)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError) as err:
-        stage = "backward" if backward and "o" in locals() else "forward"
-        return f"{stage} failed: {str(err).splitlines()[0][:140]}"
-    return None
-
-
 # ----------------------------------------------------------------------------- auto
 
 _AUTO_CACHE: dict[tuple, str] = {}
 
 
-def auto_choice(q, k, v, *, causal: bool = False) -> str:
-    """The backend ``backend="auto"`` uses for bhnd tensors like these (timed once per shape).
+def auto_choice(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> str:
+    """The backend ``backend="auto"`` runs for tensors like these (in ``layout``).
 
-    Candidates are the fused backends that pass the static checks (``sdpa_math`` only when
-    none does; ``reference`` when nothing else can, e.g. causal N != Nk on a CPU). They are timed
-    on copies of the inputs (forward, or forward+backward when autograd will need it), taking
-    turns in short blocks (:func:`labkit.bench.time_interleaved`), so a GPU clock that drifts during
-    tuning favours no one; the lowest median wins and is cached per (device, dtype, shape,
-    causal, grad). A candidate that fails on its first call (e.g. a kernel that does not compile
-    for this shape) drops out.
+    Candidates are the fused backends that pass the static checks (``sdpa_math`` only when none
+    does; ``reference`` when nothing else can, e.g. causal N != Nk on a CPU); a single candidate
+    is taken as it is. Several are timed (forward, or forward+backward when autograd needs
+    gradients) on detached views of the inputs, taking turns in short blocks
+    (:func:`labkit.measure.time_interleaved`) so a GPU clock that drifts favours no one; the lowest
+    median wins and is cached per (device, dtype, shapes, causal, layout, grad). A candidate that
+    fails (e.g. a kernel that does not compile for this shape) drops out.
+
+    The timing runs in a thread of its own, outside the caller's autograd state: inside
+    activation checkpointing, autocast, ``no_grad`` or ``inference_mode`` the call that tunes
+    saves, returns and records exactly what a call that finds the choice cached does.
     """
-    from .bench import time_interleaved  # bench imports this module
-
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    key = (str(q.device), q.dtype, tuple(q.shape), tuple(k.shape), causal, needs_grad)
+    cast, needs_grad = _cast_dtype(q), _needs_grad(q, k, v)
+    key = (q.device, cast or q.dtype, q.shape, k.shape, causal, layout, needs_grad)
     if key not in _AUTO_CACHE:
-        runnable = [b for b in BACKENDS[1:] if _static_problem(b, q, k, causal=causal) is None]
-        names = [b for b in runnable if b != "sdpa_math"] or runnable
-        with torch.set_grad_enabled(needs_grad):
-            timings, _ = time_interleaved({name: _step(name, q, k, v, causal, needs_grad) for name in names},
-                                          device=q.device, warmup=1, target_ms=10.0, min_reps=3, max_reps=30,
-                                          errors=_CANDIDATE_ERRORS)
-        _AUTO_CACHE[key] = min(timings, key=lambda name: timings[name].median_ms) if timings else "reference"
+        names = _candidates(*_as_bhnd(q, k, layout=layout), causal=causal, dtype=cast or q.dtype)
+        _AUTO_CACHE[key] = names[0] if len(names) == 1 else _fastest(names, q, k, v, causal, layout, needs_grad, cast)
     return _AUTO_CACHE[key]
 
 
-_CANDIDATE_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError, AssertionError, ImportError)
+def _candidates(q, k, *, causal: bool, dtype: torch.dtype) -> list[str]:
+    """Backends that may run bhnd q, k: the fused ones, else sdpa_math, else the reference."""
+    runnable = [b for b in BACKENDS[1:] if static_problem(b, q, k, causal=causal, dtype=dtype) is None]
+    return [b for b in runnable if b != "sdpa_math"] or runnable or ["reference"]
 
 
-def _step(name: str, q, k, v, causal: bool, needs_grad: bool) -> Callable[[], None]:
-    """One call of backend ``name`` on detached copies of q, k, v (with its backward if needed)."""
+def _fastest(names: list[str], q, k, v, causal: bool, layout: str, needs_grad: bool, cast) -> str:
+    """Time ``names`` against each other in a fresh thread; the fastest (the first if none ran)."""
+    outcome: dict[str, object] = {}
+
+    def tune() -> None:
+        try:
+            if q.device.type == "cuda":
+                torch.cuda.set_device(q.device)  # the current device is per thread
+            steps = {name: _step(_plan(name, layout, causal, needs_grad, cast), q, k, v, needs_grad) for name in names}
+            outcome["timings"], _ = time_interleaved(steps, device=q.device, warmup=1, target_ms=10.0, min_reps=3,
+                                                     max_reps=30, errors=RUN_ERRORS)
+        except BaseException as err:  # handed to the caller's thread
+            outcome["error"] = err
+
+    worker = threading.Thread(target=tune, name="labkit-auto")
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    timings = outcome["timings"]
+    return min(timings, key=lambda name: timings[name].median_ms) if timings else names[0]
+
+
+def _step(plan: Plan, q, k, v, needs_grad: bool) -> Callable[[], None]:
+    """One call of ``plan`` on detached views of q, k, v (with its backward if needed)."""
     q, k, v = (t.detach().requires_grad_(needs_grad) for t in (q, k, v))
-    grad_out = torch.ones(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype) if needs_grad else None
+    grad_out = None
 
     def step():
-        o = _run(name, q, k, v, causal, None)
+        nonlocal grad_out
+        o = plan(q, k, v, None)
         if needs_grad:  # the gradients alone, as labkit.bench times them
+            grad_out = torch.ones_like(o) if grad_out is None else grad_out
             torch.autograd.grad(o, (q, k, v), grad_out)
 
     return step
 
 
-MODES = ("fwd", "fwd_bwd")  # what flops() and the benchmarks time: forward, forward+backward
-
+# ----------------------------------------------------------------------------- work and error
 
 def flops(batch: int, heads: int, n: int, head_dim: int, *, causal: bool = False,
           mode: str = "fwd", nk: int | None = None) -> float:
@@ -316,22 +295,13 @@ def flops(batch: int, heads: int, n: int, head_dim: int, *, causal: bool = False
     return total * (3.5 if mode == "fwd_bwd" else 1.0)
 
 
-def native_layout(backend: str) -> str:
-    """The layout a backend reads without a copy: 'bnhd' for the flash-attn packages."""
-    return "bnhd" if backend in ("flash_attn", "fa4") else "bhnd"
-
-
 def max_error_vs_fp32(o: torch.Tensor, q, k, v, *, causal: bool = False, layout: str = "bhnd") -> float:
     """Max |o - fp32 reference| for inputs q, k, v (any dtype, same layout as o)."""
-    qf, kf, vf = (t.detach().float() for t in (q, k, v))
-    if layout == "bnhd":
-        qf, kf, vf = (t.transpose(1, 2) for t in (qf, kf, vf))
+    qf, kf, vf = _as_bhnd(*(t.detach().float() for t in (q, k, v)), layout=layout)
     ref = reference_attention(qf, kf, vf, causal=causal)[0]
-    if layout == "bnhd":
-        ref = ref.transpose(1, 2)
+    ref, = _as_bhnd(ref, layout=layout)
     return float((o.detach().float() - ref).abs().max())
 
 
-__all__ = ["BACKENDS", "LAYOUTS", "AttentionInputError", "attention", "auto_choice", "causal_mask",
-           "flops", "max_error_vs_fp32", "native_layout", "reference_attention", "validate",
-           "why_not"]
+__all__ = ["BACKENDS", "HALF", "LAYOUTS", "MODES", "AttentionInputError", "attention", "auto_choice", "causal_mask",
+           "flops", "max_error_vs_fp32", "native_layout", "reference_attention", "validate", "why_not"]

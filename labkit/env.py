@@ -1,9 +1,10 @@
-"""What this machine can run: device, compute capability, dtypes and attention backends.
+"""Device facts: the device, its compute capability and the dtypes it computes in.
 
-``python -m labkit doctor`` prints :func:`report`. Nothing here hard-codes a GPU's speed;
-peaks are measured in :mod:`labkit.bench`.
+Part of labkit's bottom floor (imports no other labkit module). Which attention backends run
+here is :mod:`labkit.doctor`'s question. Nothing here hard-codes a GPU's speed; peaks are
+measured in :mod:`labkit.bench`.
 
-Used in: 01_setup_and_comparison (and the first cell of every notebook).
+Used in: every notebook (``lk.env.gpu_only``, ``lk.env.device_info``).
 """
 from __future__ import annotations
 
@@ -62,52 +63,9 @@ def supported_dtypes(device: str | torch.device | None = None) -> dict[str, bool
     return result
 
 
-def backend_table(device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                  head_dim: int = 64):
-    """Every attention backend and whether it runs here, as a DataFrame.
-
-    Each backend is tried on a small causal forward and backward pass of shape
-    [1, 2, 128, head_dim]; the reason column holds the error when it does not run.
-    """
-    import pandas as pd
-
-    from . import attention
-
-    dev = torch.device(device or default_device())
-    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    rows = []
-    for name in attention.BACKENDS:
-        reason = attention.why_not(name, device=dev, dtype=dtype, head_dim=head_dim)
-        rows.append({"backend": name, "runs here": reason is None, "reason": reason or "",
-                     "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim})
-    return pd.DataFrame(rows)
-
-
 GPU_ONLY_PREFIX = "[GPU only]"
 
 
 def gpu_only(message: str) -> None:
     """Print why a cell shows less here than on a GPU, marked so ``make execute`` can list it."""
     print(f"{GPU_ONLY_PREFIX} {message}")
-
-
-def report(device: str | torch.device | None = None) -> DeviceInfo:
-    """Print the device, its dtypes and the attention-backend table; return the DeviceInfo."""
-    info = device_info(device)
-    print(f"torch {info.torch_version}  CUDA {info.cuda_version or '-'}  Python {platform.python_version()}")
-    if info.device == "cuda":
-        print(f"GPU: {info.name}  sm{info.sm}  {info.memory_gib:.1f} GiB")
-    else:
-        print(f"CPU only ({info.name}): the notebooks use their small 'cpu' profile.")
-    dtypes = supported_dtypes(info.device)
-    print("dtypes:", ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in dtypes.items()))
-    table = backend_table(info.device)
-    with _wide_pandas():
-        print(table.to_string(index=False))
-    return info
-
-
-def _wide_pandas():
-    import pandas as pd
-
-    return pd.option_context("display.max_colwidth", 90, "display.width", 160)

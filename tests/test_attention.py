@@ -234,35 +234,50 @@ def test_auto_runs_and_is_correct(make_qkv):
     assert A.why_not(chosen, device=q.device, dtype=q.dtype, head_dim=32, causal=True, backward=False) is None
 
 
-def test_auto_is_cached_per_shape(monkeypatch, make_qkv):
+def test_auto_is_tuned_once_per_key(monkeypatch, make_qkv):
     monkeypatch.setattr(A, "_AUTO_CACHE", {})
-    built = []
-    real = A._step
-    monkeypatch.setattr(A, "_step", lambda name, *a, **kw: built.append(name) or real(name, *a, **kw))
+    monkeypatch.setattr(A, "_candidates", lambda *a, **kw: ["sdpa_flash", "sdpa_math"])
+    tuned = []
+    real = A._fastest
+    monkeypatch.setattr(A, "_fastest", lambda names, *a: tuned.append(names) or real(names, *a))
 
     first = A.auto_choice(*make_qkv(1, 2, 32, 16))
-    candidates = sorted(built)
-    assert candidates == ["sdpa_flash"], "on CPU the fused SDPA kernel is the only candidate (math only as fallback)"
-    assert first in candidates
+    assert tuned == [["sdpa_flash", "sdpa_math"]] and first in tuned[0]
     assert A.auto_choice(*make_qkv(1, 2, 32, 16, seed=7)) == first  # same shape, new values: cached
-    assert len(built) == len(candidates)
+    assert len(tuned) == 1
     A.auto_choice(*make_qkv(1, 2, 40, 16))  # a new shape is timed again
-    assert len(built) == 2 * len(candidates)
     A.auto_choice(*make_qkv(1, 2, 40, 16), causal=True)  # so is causal
-    assert len(built) == 3 * len(candidates)
+    A.auto_choice(*make_qkv(1, 2, 40, 16), layout="bnhd")  # and the other layout
+    A.auto_choice(*(t.requires_grad_() for t in make_qkv(1, 2, 40, 16)))  # and forward+backward
+    assert len(tuned) == 5
+
+
+def test_auto_takes_a_single_candidate_without_timing_it(monkeypatch, make_qkv):
+    monkeypatch.setattr(A, "_AUTO_CACHE", {})
+    monkeypatch.setattr(A, "_fastest", lambda *a: pytest.fail("one candidate needs no timing"))
+    assert A.auto_choice(*make_qkv(1, 2, 32, 16)) == "sdpa_flash", \
+        "on CPU the fused SDPA kernel is the only candidate (math only as fallback)"
 
 
 def test_auto_falls_back_to_math_when_no_fused_kernel_runs(monkeypatch, make_qkv):
     monkeypatch.setattr(A, "_AUTO_CACHE", {})
     q, k, v = make_qkv(1, 2, 16, 16, Nk=24)  # SDPA's fused kernels are refused for causal N != Nk ...
     assert A.auto_choice(q, k, v, causal=False) == "sdpa_flash"
-    real = A._static_problem
-    monkeypatch.setattr(A, "_static_problem",  # ... and now every fused one
+    real = A.static_problem
+    monkeypatch.setattr(A, "static_problem",  # ... and now every fused one
                         lambda name, *a, **kw: None if name == "sdpa_math" else "refused")
     monkeypatch.setattr(A, "_AUTO_CACHE", {})
     assert A.auto_choice(q, k, v, causal=False) == "sdpa_math"
-    monkeypatch.setattr(A, "_static_problem", real)
+    monkeypatch.setattr(A, "static_problem", real)
     assert A.auto_choice(q, k, v, causal=True) == "reference"  # nothing else aligns bottom-right here
+
+
+def test_auto_picks_the_fastest_and_drops_a_failing_candidate(monkeypatch, make_qkv):
+    monkeypatch.setattr(A, "_AUTO_CACHE", {})
+    monkeypatch.setattr(A, "_candidates", lambda *a, **kw: ["sdpa_flash", "reference", "fa4"])
+    # fa4 cannot run on a CPU: it fails on its first call and drops out; the reference
+    # (materialized scores, a Python-level softmax) is slower than the fused kernel at N=256.
+    assert A.auto_choice(*make_qkv(1, 4, 256, 32), causal=True) == "sdpa_flash"
 
 
 def test_auto_with_causal_unequal_lengths_keeps_bottom_right(make_qkv):

@@ -1,0 +1,207 @@
+"""Measurement primitives: timing that is right on a GPU and honest on a CPU, and peak memory.
+
+The bottom floor of labkit: it imports no other labkit module, so the kernels' entry point
+(:mod:`labkit.attention`, whose ``"auto"`` times its candidates) and the benchmarks
+(:mod:`labkit.bench`) can both build on it.
+
+- :func:`time_fn`: CUDA events after warm-up (optional L2 flush) on a GPU, perf_counter on a
+  CPU; median and 20/80% quantiles. :func:`time_interleaved` times several calls taking turns.
+- :func:`call_ms`: one call of work that runs once (a training step).
+- :func:`peak_memory`: extra GPU memory a call allocates (peak minus what was there before).
+
+Used in: 01_setup_and_comparison, 03_long_sequence_training, 04_performance_analysis (as ``lk.bench.*``).
+"""
+from __future__ import annotations
+
+import gc
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def as_device(device=None) -> torch.device:
+    """``device`` as a torch.device; by default CUDA when available, else CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall time of one call, in milliseconds."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    reps: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms: float = 100.0,
+            min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False) -> Timing:
+    """Time ``fn()`` the right way for the device (:func:`time_interleaved` with one call)."""
+    timings, _ = time_interleaved({"fn": fn}, device=device, warmup=warmup, target_ms=target_ms,
+                                  min_reps=min_reps, max_reps=max_reps, flush_l2=flush_l2)
+    return timings["fn"]
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmup: int = 2,
+                     target_ms: float = 100.0, min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False,
+                     errors: tuple[type[BaseException], ...] = ()) -> tuple[dict[str, Timing], dict[str, BaseException]]:
+    """Time several calls against each other, taking turns, so that they share the GPU's conditions.
+
+    GPU: a start and an end CUDA event around each call, the calls queued back to back and one
+    synchronize per phase (as ``triton.testing.do_bench`` does). The functions take turns (A B C,
+    B C A, C A B, ...; one that needs fewer reps is spread evenly over the turns), so a clock that
+    drifts with boost, power or temperature while they are measured shifts all of them alike;
+    timed one after another, one kernel measured twice differed by 9% on an H100 (0.82 vs 0.89 ms).
+    In the timed phase a turn is a block of consecutive calls of one function, about
+    ``BLOCK_MS`` long and at least ``MIN_BLOCK`` calls, whose first call is an untimed lead-in:
+    after a function whose launches are slower than its kernels the GPU has run dry, and the
+    next call would count its own launch as kernel time.
+    Phases: ``warmup`` calls each (the last one, synchronized, tells which calls are fast enough
+    for blocks); ``min_reps`` timed calls each (the estimate; a call so slow that they fill
+    ``target_ms`` is timed by them alone); a warm-up of about ``target_ms / 4``
+    (GPU clocks run high after a pause); then reps that fill about ``target_ms`` per function.
+    ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2.
+    CPU: ``time.perf_counter`` around each call, in the same turns.
+
+    Returns ({name: Timing}, {name: exception}): a call that raises one of ``errors`` is dropped
+    and its exception returned; any other exception propagates.
+    """
+    device = as_device(device)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
+    failures: dict[str, BaseException] = {}
+
+    def timed(reps: dict[str, int], block: dict[str, int] | None = None) -> dict[str, list[float]]:
+        return _turns_ms(fns, reps, block=block, device=device, flush=flush, errors=errors, failures=failures)
+
+    probe = {}  # the last warm-up call, synchronized: which calls are fast enough for blocks
+    for name in fns:
+        try:
+            for _ in range(warmup):
+                read = _timed_call(fns[name], device, None)
+            _sync(device)
+            probe[name] = read() if warmup else math.inf
+        except errors as err:
+            failures[name] = err
+    fast = {name: MIN_BLOCK for name, ms in probe.items() if ms * min_reps < target_ms}
+    first = {name: _timing(ms) for name, ms in timed({name: min_reps for name in fns}, fast).items()}
+    timings = {name: t for name, t in first.items() if t.median_ms * min_reps >= target_ms}  # slow: done
+    estimate = {name: max(t.median_ms, 1e-3) for name, t in first.items() if name not in timings}
+    if warmup:
+        timed({name: int(min(max_reps, 0.25 * target_ms / est)) for name, est in estimate.items()})
+    reps = {name: int(min(max_reps, max(min_reps, target_ms / est))) for name, est in estimate.items()}
+    block = {name: max(MIN_BLOCK, math.ceil(BLOCK_MS / est)) for name, est in estimate.items()}
+    timings.update((name, _timing(ms)) for name, ms in timed(reps, block).items())
+    return timings, failures
+
+
+BLOCK_MS = 2.0  # a turn of time_interleaved: short next to the tens of ms over which GPU clocks drift
+MIN_BLOCK = 3   # a lead-in and at least two timed calls
+
+
+def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, block: dict[str, int] | None,
+              device: torch.device, flush: torch.Tensor | None, errors: tuple[type[BaseException], ...],
+              failures: dict[str, BaseException]) -> dict[str, list[float]]:
+    """Milliseconds of ``reps[name]`` calls of each function, taking turns.
+
+    A turn of ``name`` is ``block[name]`` consecutive calls (1 when ``block`` is None or there is
+    only one name: nothing else runs between its calls); in a block of more than one the first
+    call is a lead-in, run but not timed. Turn i starts at
+    name i (mod the count), so every name is as often first as last; a name that needs b of
+    the T = max blocks runs in the turns where i * b // T steps up (evenly spread). A name that
+    raises one of ``errors`` is added to ``failures`` and dropped.
+    """
+    names = [name for name in reps if name not in failures]
+    size = {name: (block or {}).get(name, 1) if len(names) > 1 else 1 for name in names}
+    per_block = {name: max(1, size[name] - 1) for name in names}  # timed calls in one block
+    blocks = {name: math.ceil(reps[name] / per_block[name]) for name in names}
+    turns = max(blocks.values(), default=0)
+    pending: dict[str, list[Callable[[], float]]] = {name: [] for name in names}
+    for i in range(turns):
+        for j in range(len(names)):
+            name = names[(i + j) % len(names)]
+            if name in failures or (i + 1) * blocks[name] // turns == i * blocks[name] // turns:
+                continue
+            try:
+                if size[name] > 1:
+                    fns[name]()  # lead-in: may wait for the GPU queue to refill
+                for _ in range(min(per_block[name], reps[name] - len(pending[name]))):
+                    pending[name].append(_timed_call(fns[name], device, flush))
+            except errors as err:
+                failures[name] = err
+    _sync(device)
+    return {name: [read() for read in reads] for name, reads in pending.items() if name not in failures}
+
+
+def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Tensor | None) -> Callable[[], float]:
+    """Call ``fn`` once; returns a reader of its milliseconds (valid after a synchronize on a GPU)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        return lambda: ms
+    if flush is not None:
+        flush.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    return lambda: start.elapsed_time(end)
+
+
+def _timing(ms: list[float]) -> Timing:
+    """Median and 20/80% quantiles of the times of one call."""
+    times = sorted(ms)
+    pick = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return Timing(pick(0.5), pick(0.2), pick(0.8), len(times))
+
+
+def call_ms(fn: Callable[[], object], *, device=None) -> float:
+    """Milliseconds of one call of ``fn`` (CUDA events and a synchronize on a GPU).
+
+    For work that runs once, such as one training step; use :func:`time_fn` to time repeats.
+    """
+    device = as_device(device)
+    read = _timed_call(fn, device, None)
+    _sync(device)
+    return read()
+
+
+def peak_memory(fn: Callable[[], object], *, device=None) -> float:
+    """Extra GPU bytes allocated at the peak of ``fn()``, above what was allocated before.
+
+    The peak counter is reset *before* the call (seed 002 read it before resetting and
+    reported memory from an earlier cell). Returns NaN on a CPU, where PyTorch keeps no
+    allocator statistics.
+    """
+    device = as_device(device)
+    if device.type != "cuda":
+        fn()
+        return float("nan")
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del result
+    return float(peak - before)
+
+
+def free_memory() -> None:
+    """Release cached blocks between benchmark rows."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_oom(err: BaseException) -> bool:
+    """True for a GPU or CPU out-of-memory error."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
