@@ -3,7 +3,8 @@
 :func:`use_theme` looks for a CJK font (the ``mplfonts`` package from the ``lab`` extra,
 Debian's ``fonts-noto-cjk``, or a system font such as Microsoft JhengHei / PingFang TC) and
 sets it; :func:`label` then returns the Chinese text, otherwise the English one, so a plot
-never shows "Glyph missing" boxes.
+never shows "Glyph missing" boxes. A font installed after matplotlib cached its font list is
+found too: the list is refreshed when it holds no CJK font.
 
 Used in: every notebook.
 """
@@ -21,17 +22,50 @@ CJK_FAMILIES = ("Noto Sans CJK TC", "Noto Sans CJK JP", "Noto Sans CJK SC", "Sou
 
 @functools.cache
 def cjk_font() -> str | None:
-    """Name of an installed font family that draws Chinese, or None."""
+    """Name of an installed font family that draws Chinese, or None.
+
+    matplotlib lists fonts from a cache it built on its first run, so a font installed later is
+    missing from that list. When the list has no CJK family, the font files on the system now
+    (``fc-list`` and the usual font folders) that it lacks are added, and the search runs again.
+    """
     from matplotlib import font_manager
 
-    try:
-        import mplfonts  # ships Noto Sans CJK; register its files without its CLI
-        for path in sorted((Path(mplfonts.__file__).parent / "fonts").glob("NotoSansCJK*")):
-            font_manager.fontManager.addfont(str(path))
-    except ImportError:
-        pass
-    available = {f.name for f in font_manager.fontManager.ttflist}
+    manager = font_manager.fontManager
+    _add_fonts(manager, _mplfonts_files())
+    font = _find_cjk(manager)
+    if font is None and _add_fonts(manager, font_manager.findSystemFonts()):
+        font = _find_cjk(manager)
+    return font
+
+
+def _find_cjk(manager) -> str | None:
+    """The first of :data:`CJK_FAMILIES` that ``manager`` (a matplotlib FontManager) lists."""
+    available = {f.name for f in manager.ttflist}
     return next((name for name in CJK_FAMILIES if name in available), None)
+
+
+def _mplfonts_files() -> list[str]:
+    """The Noto Sans CJK files the ``mplfonts`` package ships (registered without its CLI)."""
+    try:
+        import mplfonts
+    except ImportError:
+        return []
+    return [str(p) for p in sorted((Path(mplfonts.__file__).parent / "fonts").glob("NotoSansCJK*"))]
+
+
+def _add_fonts(manager, paths) -> int:
+    """Add the font files among ``paths`` that ``manager`` does not list yet; returns how many."""
+    known = {f.fname for f in manager.ttflist}
+    added = 0
+    for path in dict.fromkeys(map(str, paths)):
+        if path in known:
+            continue
+        try:
+            manager.addfont(path)
+        except Exception:  # noqa: BLE001 - an unreadable font file is skipped, as matplotlib's own scan does
+            continue
+        added += 1
+    return added
 
 
 def use_theme() -> None:

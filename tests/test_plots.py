@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
+import sys
 import warnings
 
 import matplotlib
@@ -54,6 +56,51 @@ def test_cjk_font_is_installed_or_none():
 
     font = P.cjk_font()
     assert font is None or (font in P.CJK_FAMILIES and font in {f.name for f in font_manager.fontManager.ttflist})
+
+
+@pytest.fixture
+def fresh_cjk_lookup():
+    """cjk_font() looked up again inside the test, and again after it (it is cached per process)."""
+    P.cjk_font.cache_clear()
+    yield
+    P.cjk_font.cache_clear()
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["font-installed-later", "no-font"])
+def test_cjk_font_installed_after_matplotlib_cached_its_list(monkeypatch, tmp_path, fresh_cjk_lookup, installed):
+    """A font list read from a cache built before the CJK font was installed is refreshed from the system."""
+    from matplotlib import font_manager
+
+    real = font_manager.fontManager
+    cjk_files = sorted({f.fname for f in real.ttflist if f.name in P.CJK_FAMILIES})
+    if not cjk_files:
+        pytest.skip("no CJK font file here to install (pip install mplfonts, or Debian fonts-noto-cjk)")
+    stale = copy.copy(real)  # the cached list: every font but the CJK ones
+    stale.ttflist = [f for f in real.ttflist if f.fname not in cjk_files]
+    broken = tmp_path / "broken.ttf"
+    broken.write_bytes(b"not a font")
+    system_now = [f.fname for f in stale.ttflist] + [str(broken)] + (cjk_files if installed else [])
+    monkeypatch.setattr(font_manager, "fontManager", stale)
+    monkeypatch.setattr(font_manager, "findSystemFonts", lambda *args, **kwargs: system_now)
+    monkeypatch.setitem(sys.modules, "mplfonts", None)  # `import mplfonts` fails: only the system's fonts count
+
+    cached, real_fonts = list(stale.ttflist), list(real.ttflist)
+    font = P.cjk_font()
+    assert real.ttflist == real_fonts, "the process's own font list is left alone"
+    if not installed:
+        assert font is None and stale.ttflist == cached, "nothing to add: the broken file is skipped"
+        return
+    assert font in P.CJK_FAMILIES, "the font installed after the cache was built is found"
+    assert stale.findfont(font, fallback_to_default=False) in cjk_files, "matplotlib draws with its file"
+
+
+def test_cjk_font_does_not_rescan_when_the_list_has_one(monkeypatch, fresh_cjk_lookup):
+    from matplotlib import font_manager
+
+    if not any(f.name in P.CJK_FAMILIES for f in font_manager.fontManager.ttflist):
+        pytest.skip("no CJK font in matplotlib's list here")
+    monkeypatch.setattr(font_manager, "findSystemFonts", lambda *args, **kwargs: pytest.fail("rescanned"))
+    assert P.cjk_font() in P.CJK_FAMILIES
 
 
 @pytest.mark.parametrize("font", [None, "Noto Sans CJK TC"])
