@@ -7,6 +7,8 @@ TORCH  ?= torch==2.13.0
 # nbgrader calls `alembic` from PATH when it creates the gradebook.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 ASSIGNMENTS := $(notdir $(wildcard solutions/[0-9]*))
+# JupyterLab refuses to start as root (most GPU containers and cloud images) without --allow-root.
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: setup lab test release doctor bench execute bundle
 setup: $(VENV)/.installed
@@ -17,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lab: setup            ## open the course in JupyterLab
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(ALLOW_ROOT)
 
 test: setup           ## unit tests, release consistency, autograde round trip, solution notebooks (cpu profile)
 	LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests/ \
