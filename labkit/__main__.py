@@ -1,7 +1,7 @@
 """Command line: ``python -m labkit doctor | bench | execute | bundle``.
 
 - doctor: device, dtypes and which attention backends run here;
-- bench: the attention sweep to CSV and PNG;
+- bench: the attention sweep to CSV and PNG (``--vs-direct``: labkit against the kernels called directly);
 - execute: run every solution notebook here, executed copies and a summary page (instructors);
 - bundle: the student zip, refused if any solution text would leak (instructors).
 """
@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="causal mask rows to run")
     bench.add_argument("--target-ms", type=float, default=100.0, help="timing budget per row")
     bench.add_argument("--out", type=Path, default=Path("build/bench"), help="output folder")
+    bench.add_argument("--vs-direct", action="store_true",
+                       help="instead of the sweep: auto and labkit against the kernels called directly, both layouts")
+    bench.add_argument("--rounds", type=int, default=8, help="--vs-direct: interleaved timing rounds per row")
     execute = sub.add_parser("execute", help="run the solution notebooks here; copies and summary.md")
     execute.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
     execute.add_argument("--out", type=Path, default=Path("build/execute"), help="output folder")
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     configs = bench.fixed_token_configs(args.seq_lens, args.head_dims, tokens=args.tokens, width=args.width)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.vs_direct:
+        return _vs_direct(args, configs, causal)
     df = bench.attention_sweep(configs, backends=args.backends, causal=causal, modes=args.modes,
                                dtype=DTYPES[args.dtype], target_ms=args.target_ms,
                                partial_csv=args.out / "attention_sweep.csv")  # rewritten per configuration
@@ -94,6 +99,22 @@ def main(argv: list[str] | None = None) -> int:
         print("\nauto vs the fastest backend (auto_over_best >= 0.95 means within 5%):")
         print(gap.round(3).to_string(index=False))
     print(f"wrote {args.out / 'attention_sweep.csv'} and {args.out / 'attention_sweep.png'}")
+    return 0
+
+
+def _vs_direct(args, configs: list[dict], causal: tuple[bool, ...]) -> int:
+    from . import overhead
+
+    df = overhead.vs_direct(configs, causal=causal, modes=args.modes, rounds=args.rounds, dtype=DTYPES[args.dtype])
+    df.to_csv(args.out / "vs_direct.csv", index=False)
+    print(df.drop(columns=["B", "H"]).round(3).to_string(index=False))
+    ratio = df["auto_over_best"]
+    print(f"\nauto / best direct call: min {ratio.min():.3f}, median {ratio.median():.3f}, "
+          f"rows below 0.97: {int((ratio < 0.97).sum())} of {len(df)}")
+    print(f"labkit:<pick> / direct:<pick>: min {df['labkit_over_direct'].min():.3f}, "
+          f"median {df['labkit_over_direct'].median():.3f}")
+    print(f"control (a kernel against itself): {df['control'].min():.3f} .. {df['control'].max():.3f}")
+    print(f"wrote {args.out / 'vs_direct.csv'}")
     return 0
 
 

@@ -231,13 +231,15 @@ def auto_choice(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> str:
     cast, needs_grad = _cast_dtype(q), _needs_grad(q, k, v)
     key = (q.device, cast or q.dtype, q.shape, k.shape, causal, layout, needs_grad)
     if key not in _AUTO_CACHE:
-        names = _candidates(*_as_bhnd(q, k, layout=layout), causal=causal, dtype=cast or q.dtype)
+        names = auto_candidates(q, k, causal=causal, layout=layout)
         _AUTO_CACHE[key] = names[0] if len(names) == 1 else _fastest(names, q, k, v, causal, layout, needs_grad, cast)
     return _AUTO_CACHE[key]
 
 
-def _candidates(q, k, *, causal: bool, dtype: torch.dtype) -> list[str]:
-    """Backends that may run bhnd q, k: the fused ones, else sdpa_math, else the reference."""
+def auto_candidates(q, k, *, causal: bool = False, layout: str = "bhnd") -> list[str]:
+    """The backends "auto" chooses from for q, k in ``layout``: the fused ones that pass the static
+    checks, else sdpa_math, else the reference."""
+    dtype, (q, k) = _cast_dtype(q) or q.dtype, _as_bhnd(q, k, layout=layout)
     runnable = [b for b in BACKENDS[1:] if static_problem(b, q, k, causal=causal, dtype=dtype) is None]
     return [b for b in runnable if b != "sdpa_math"] or runnable or ["reference"]
 
@@ -303,5 +305,5 @@ def max_error_vs_fp32(o: torch.Tensor, q, k, v, *, causal: bool = False, layout:
     return float((o.detach().float() - ref).abs().max())
 
 
-__all__ = ["BACKENDS", "HALF", "LAYOUTS", "MODES", "AttentionInputError", "attention", "auto_choice", "causal_mask",
+__all__ = ["BACKENDS", "HALF", "LAYOUTS", "MODES", "AttentionInputError", "attention", "auto_candidates", "auto_choice", "causal_mask",
            "flops", "max_error_vs_fp32", "native_layout", "reference_attention", "validate", "why_not"]

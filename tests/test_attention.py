@@ -236,7 +236,7 @@ def test_auto_runs_and_is_correct(make_qkv):
 
 def test_auto_is_tuned_once_per_key(monkeypatch, make_qkv):
     monkeypatch.setattr(A, "_AUTO_CACHE", {})
-    monkeypatch.setattr(A, "_candidates", lambda *a, **kw: ["sdpa_flash", "sdpa_math"])
+    monkeypatch.setattr(A, "auto_candidates", lambda *a, **kw: ["sdpa_flash", "sdpa_math"])
     tuned = []
     real = A._fastest
     monkeypatch.setattr(A, "_fastest", lambda names, *a: tuned.append(names) or real(names, *a))
@@ -274,7 +274,7 @@ def test_auto_falls_back_to_math_when_no_fused_kernel_runs(monkeypatch, make_qkv
 
 def test_auto_picks_the_fastest_and_drops_a_failing_candidate(monkeypatch, make_qkv):
     monkeypatch.setattr(A, "_AUTO_CACHE", {})
-    monkeypatch.setattr(A, "_candidates", lambda *a, **kw: ["sdpa_flash", "reference", "fa4"])
+    monkeypatch.setattr(A, "auto_candidates", lambda *a, **kw: ["sdpa_flash", "reference", "fa4"])
     # fa4 cannot run on a CPU: it fails on its first call and drops out; the reference
     # (materialized scores, a Python-level softmax) is slower than the fused kernel at N=256.
     assert A.auto_choice(*make_qkv(1, 4, 256, 32), causal=True) == "sdpa_flash"

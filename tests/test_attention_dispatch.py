@@ -31,7 +31,7 @@ def fresh_auto(monkeypatch):
     """Empty caches and three CPU candidates; returns the list of candidate sets auto timed."""
     monkeypatch.setattr(A, "_AUTO_CACHE", {})
     monkeypatch.setattr(A, "_PLANS", {})
-    monkeypatch.setattr(A, "_candidates", lambda *a, **kw: ["sdpa_flash", "sdpa_math", "reference"])
+    monkeypatch.setattr(A, "auto_candidates", lambda *a, **kw: ["sdpa_flash", "sdpa_math", "reference"])
     tuned = []
     real = A._fastest
     monkeypatch.setattr(A, "_fastest", lambda names, *a: tuned.append(list(names)) or real(names, *a))
@@ -185,3 +185,50 @@ def test_labkit_adds_at_most_5_us_per_call_over_the_direct_kernel_call(backend, 
     torch.testing.assert_close(labkit(), _direct_sdpa_flash(q, k, v, layout), atol=1e-6, rtol=0)
     extra = sorted(_median_us(labkit) - _median_us(lambda: _direct_sdpa_flash(q, k, v, layout)) for _ in range(9))
     assert extra[4] <= 5.0, f"labkit adds {extra[4]:.1f} us per call over the direct call (rounds: {extra})"
+
+
+# ----------------------------------------------------------------------------- on the GPU, with the real candidates
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["labkit", "labkit:fa4"])
+def test_gpt2_small_checkpointed_step_on_the_gpu(monkeypatch, implementation):
+    """GPT-2 small, bf16 autocast, checkpointing: the first step (auto tunes the real candidates
+    inside it) trains, with the loss and gradients of the same step without checkpointing."""
+    if implementation.endswith("fa4") and lk.kernels.why_not("fa4", device="cuda", dtype=torch.bfloat16):
+        pytest.skip("fa4 does not run here")
+    monkeypatch.setattr(A, "_AUTO_CACHE", {})
+    monkeypatch.setattr(A, "_PLANS", {})
+    model = lk.gpt2.build_model("small", attn_implementation=implementation, device="cuda").train()
+    ids = torch.randint(0, 50257, (2, 1024), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach().float(), torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    lk.gpt2.enable_checkpointing(model)
+    loss_ckpt, grad_ckpt = step()
+    model.activation_checkpointing_disable()
+    loss, grad = step()
+    # bf16 activations recomputed by the same kernels: the same values up to reduction order
+    torch.testing.assert_close(loss_ckpt, loss, rtol=1e-3, atol=0)
+    assert float((grad_ckpt - grad).norm() / grad.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "fa4", "sdpa_cudnn"])
+def test_torch_compile_with_inductor_on_the_gpu(monkeypatch, backend):
+    if backend != "auto" and lk.kernels.why_not(backend, device="cuda", dtype=torch.bfloat16):
+        pytest.skip(f"{backend} does not run here")
+    monkeypatch.setattr(A, "_AUTO_CACHE", {})
+    monkeypatch.setattr(A, "_PLANS", {})
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = Block(width=1024, heads=16, backend=backend).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    got = _grads(block, x, torch.compile(block))
+    want = _grads(block, x, block)
+    for g, w in zip(got, want):
+        assert float((g.float() - w.float()).norm() / w.float().norm()) < 2e-2
