@@ -5,7 +5,8 @@
   operators as a DataFrame), :func:`export_trace` / :func:`trace_counts` (Chrome/Perfetto JSON),
   :func:`memory_snapshot` / :func:`snapshot_allocations` (CUDA caching-allocator history).
 
-The performance models (IO/roofline, time predictor, memory model) live in :mod:`labkit.perfmodel`.
+The performance models live in :mod:`labkit.roofline` (IO / roofline), :mod:`labkit.predictor`
+(time predictor) and :mod:`labkit.perfmodel` (training memory).
 
 Used in: 04_performance_analysis.
 """
