@@ -1,12 +1,15 @@
-"""JupyterLab opens every student notebook in a real (headless) browser.
+"""`make lab` serves the course, and JupyterLab opens every student notebook in a real (headless) browser.
 
-One ``jupyter lab`` server (127.0.0.1, random token, throw-away HOME / config / runtime dirs,
-checkpoints outside the repo) and one headless Chromium, driven over the DevTools protocol, serve
-all five notebooks. For each notebook the test waits until JupyterLab has drawn its cells, then
-checks the DOM (cell count, the Chinese title) and a screenshot (not a blank page), and that the
-notebook file and its folder are left as they were.
+One JupyterLab server, started with the command ``make lab`` runs (asked of make with ``make -n``, so
+as root it carries ``--allow-root``), on a copy of ``notebooks/`` (throw-away HOME / config / runtime
+dirs, 127.0.0.1, random token, checkpoints outside the tree), and one headless Chromium, driven over
+the DevTools protocol. The server must list every notebook. For each notebook the test waits until
+JupyterLab has drawn its cells, then checks the DOM (cell count, the Chinese title) and a screenshot
+(not a blank page); then, with autosave on every few seconds, it waits for the kernel and for autosave,
+and checks that merely opening the notebook left its file and folder as they were. A control notebook
+with incomplete kernel metadata shows that autosave did run in that time, and what JupyterLab writes.
 
-Skipped where no Chromium is installed (``.ci/run`` installs Debian's ``chromium``).
+The browser tests skip where no Chromium is installed (``.ci/run`` installs Debian's ``chromium``).
 Chinese text needs a CJK font on the machine (Debian ``fonts-noto-cjk``) to show as characters
 rather than boxes; look at the saved screenshots (paths are printed, ``pytest -s``) to check.
 """
@@ -17,7 +20,9 @@ import io
 import itertools
 import json
 import os
+import platform
 import secrets
+import shlex
 import shutil
 import socket
 import subprocess
@@ -33,17 +38,16 @@ NOTEBOOKS = sorted(ROOT.glob("notebooks/[0-9]*/[0-9]*.ipynb"))
 CHROMIUM = next((p for p in ["/usr/bin/chromium", *map(shutil.which, ("chromium", "chromium-browser",
                                                                        "google-chrome"))]
                  if p and os.access(p, os.X_OK)), None)
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium found (Debian: apt install chromium; .ci/run does it)"),
-]
+pytestmark = pytest.mark.slow
 WIDTH, HEIGHT = 1400, 1000
 READY_TIMEOUT = 90  # seconds for the server to answer, and for a notebook to render (2 busy CPU cores)
 
-# JupyterLab user settings for the test server: no news pop-up over the notebook, every cell in the DOM,
-# no autosave (the kernel's language_info marks an opened notebook dirty; saving would rewrite the file).
+AUTOSAVE_S = 2  # JupyterLab's autosave interval for the test server (seconds; JupyterLab's default is 120)
+AUTOSAVE_WAIT = 4 * AUTOSAVE_S  # after the kernel is idle: long enough for JupyterLab to save a changed notebook
+# JupyterLab user settings for the test server: autosave every AUTOSAVE_S, no news pop-up over the notebook,
+# every cell in the DOM.
 SETTINGS = {
-    "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
+    "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": True, "autosaveInterval": AUTOSAVE_S},
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false"},
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
@@ -75,10 +79,17 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A running ``jupyter lab`` serving the repo root: yields (base URL, token, checkpoint dir)."""
-    tmp = tmp_path_factory.mktemp("jupyterlab")
+def make_lab_command() -> list[str]:
+    """The command ``make lab`` runs to start JupyterLab, for this interpreter's environment."""
+    venv = Path(sys.prefix)
+    out = subprocess.run(["make", "-s", "-n", "-o", f"{venv}/.installed", "lab", f"VENV={venv}"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert len(out.splitlines()) == 1, f"`make -n lab` should print one command:\n{out}"
+    return shlex.split(out)
+
+
+def throwaway_jupyter_dirs(tmp: Path) -> dict[str, Path]:
+    """Fresh HOME / config / data / runtime / IPython / checkpoint dirs under ``tmp``, with :data:`SETTINGS`."""
     dirs = {name: tmp / name for name in ("home", "config", "data", "runtime", "ipython", "checkpoints")}
     for d in dirs.values():
         d.mkdir()
@@ -86,19 +97,28 @@ def lab(tmp_path_factory):
         path = dirs["config"] / "lab" / "user-settings" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(value))
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """``make lab``'s server on a copy of notebooks/: yields (base URL, token, served root, checkpoint dir)."""
+    tmp = tmp_path_factory.mktemp("jupyterlab")
+    dirs = throwaway_jupyter_dirs(tmp)
+    course = tmp / "course"  # `make lab` serves ./notebooks: a copy, so autosave cannot touch the repo
+    shutil.copytree(ROOT / "notebooks", course / "notebooks")
     # JupyterLab's own assets and kernelspecs are found under sys.prefix/share/jupyter as usual.
     env = dict(os.environ, HOME=str(dirs["home"]), JUPYTER_CONFIG_DIR=str(dirs["config"]),
                JUPYTER_DATA_DIR=str(dirs["data"]), JUPYTER_RUNTIME_DIR=str(dirs["runtime"]),
                IPYTHONDIR=str(dirs["ipython"]), JUPYTER_PLATFORM_DIRS="0")
     port, token = free_port(), secrets.token_hex(16)
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
-           "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
-           f"--ServerApp.token={token}", f"--ServerApp.root_dir={ROOT}",
-           f"--FileCheckpoints.checkpoint_dir={dirs['checkpoints']}",  # absolute: no .ipynb_checkpoints in the repo
+    cmd = [*make_lab_command(), "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
+           f"--ServerApp.token={token}",
+           f"--FileCheckpoints.checkpoint_dir={dirs['checkpoints']}",  # absolute: no .ipynb_checkpoints in the tree
            "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
            "--LabApp.extension_manager=readonly"]
     log = (tmp / "server.log").open("wb")
-    proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, cwd=course, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + READY_TIMEOUT
@@ -108,9 +128,10 @@ def lab(tmp_path_factory):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"jupyter lab did not start; log:\n{(tmp / 'server.log').read_text()[-3000:]}")
+                    pytest.fail(f"`{shlex.join(cmd)}` did not start a server; log:\n"
+                                f"{(tmp / 'server.log').read_text()[-3000:]}")
                 time.sleep(0.5)
-        yield base, token, dirs["checkpoints"]
+        yield base, token, course / "notebooks", dirs["checkpoints"]
     finally:
         stop(proc)
         log.close()
@@ -146,6 +167,8 @@ class DevTools:
 @pytest.fixture(scope="module")
 def chromium(tmp_path_factory):
     """A headless Chromium with a fresh profile: yields its DevTools HTTP endpoint."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium found (Debian: apt install chromium; .ci/run does it)")
     profile = tmp_path_factory.mktemp("chromium-profile")
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -192,42 +215,105 @@ PROBE = """(() => {
 })()"""
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_renders_in_jupyterlab(path, lab, chromium, tmp_path):
-    base, token, checkpoints = lab
-    nb_bytes = path.read_bytes()
-    nb = json.loads(nb_bytes)
-    title, n_cells = notebook_title(nb), len(nb["cells"])
-    folder_before = sorted(p.name for p in path.parent.iterdir())
-    rel = path.relative_to(ROOT).as_posix()
+def wait_rendered(page: DevTools, n_cells: int, title: str) -> dict:
+    """Poll the page until JupyterLab has drawn ``n_cells`` cells and ``title``; the last probe."""
+    deadline, state = time.monotonic() + READY_TIMEOUT, {}
+    while time.monotonic() < deadline:
+        state = page.evaluate(PROBE) or {}
+        if state.get("cells", 0) >= n_cells and title in state.get("text", "") and state.get("fonts") == "loaded" \
+                and not state.get("spinner"):
+            break
+        time.sleep(0.5)
+    return state
+
+
+def wait_kernel_then_autosave(base: str, token: str, rel: str) -> None:
+    """Wait until the notebook's kernel is idle (its kernel_info is in), then for autosave to have run."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not any(s["path"] == rel and s["kernel"]["execution_state"] == "idle"
+                  for s in get_json(f"{base}/api/sessions?token={token}")):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the kernel of {rel} did not start in {READY_TIMEOUT} s")
+        time.sleep(0.5)
+    time.sleep(AUTOSAVE_WAIT)
+
+
+def open_in_lab(lab, chromium, path: Path) -> tuple[dict, bytes]:
+    """Open ``path`` (under the served root) in JupyterLab; wait for it to render, for its kernel and autosave.
+
+    Returns the page probe and a screenshot (PNG bytes); the kernel is shut down afterwards.
+    """
+    base, token, served, _ = lab
+    nb = json.loads(path.read_bytes())
+    rel = path.relative_to(served).as_posix()
     # A workspace per notebook, so tabs restored from an earlier notebook do not open too.
     url = f"{base}/lab/workspaces/test-{path.stem}/tree/{rel}?token={token}"
-
     target = get_json(f"{chromium}/json/new?about:blank", method="PUT")
     page = DevTools(target["webSocketDebuggerUrl"])
     try:
         page("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False)
         page("Page.enable")
         page("Page.navigate", url=url)
-        deadline, state = time.monotonic() + READY_TIMEOUT, {}
-        while time.monotonic() < deadline:
-            state = page.evaluate(PROBE) or {}
-            if state.get("cells", 0) >= n_cells and title in state.get("text", "") and state.get("fonts") == "loaded" \
-                    and not state.get("spinner"):
-                break
-            time.sleep(0.5)
+        state = wait_rendered(page, len(nb["cells"]), notebook_title(nb))
         time.sleep(1.0)  # let MathJax and the layout settle before the picture
         png = base64.b64decode(page("Page.captureScreenshot", format="png")["data"])
+        wait_kernel_then_autosave(base, token, rel)
     finally:
         page.close()
         get_json(f"{chromium}/json/close/{target['id']}")
+        for session in get_json(f"{base}/api/sessions?token={token}"):  # shut the kernel down
+            get_json(f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE")
+    return state, png
 
+
+def listed_notebooks(base: str, token: str, folder: str = "") -> list[str]:
+    """Paths of every notebook the server's contents API lists under ``folder`` (recursively)."""
+    found = []
+    for item in get_json(f"{base}/api/contents/{folder}?token={token}")["content"]:
+        if item["type"] == "directory":
+            found += listed_notebooks(base, token, item["path"])
+        elif item["type"] == "notebook":
+            found.append(item["path"])
+    return sorted(found)
+
+
+def test_make_lab_serves_every_student_notebook(lab):
+    base, token, _, _ = lab
+    if os.geteuid() == 0:  # the server above started, as root, only because of this flag
+        assert "--allow-root" in make_lab_command()
+    assert listed_notebooks(base, token) == [p.relative_to(ROOT / "notebooks").as_posix() for p in NOTEBOOKS]
+
+
+def test_autosave_rewrites_incomplete_kernel_metadata(lab, chromium):
+    """Control: a notebook with incomplete language_info is saved with the kernel's, in the time the test waits."""
+    served = lab[2]
+    nb = json.loads(NOTEBOOKS[0].read_bytes())
+    nb["metadata"]["language_info"] = {"name": "python"}
+    path = served / "control-incomplete-metadata.ipynb"
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+    try:
+        open_in_lab(lab, chromium, path)
+        saved = json.loads(path.read_bytes())
+    finally:
+        path.unlink()  # the served tree holds the course's notebooks only
+    from ipykernel.ipkernel import IPythonKernel  # the kernel_info reply's language_info
+
+    assert saved["metadata"]["language_info"] == IPythonKernel.language_info, "autosave did not run in time"
+    assert saved["cells"] == nb["cells"] and saved["metadata"]["kernelspec"] == nb["metadata"]["kernelspec"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_renders_in_jupyterlab(path, lab, chromium, tmp_path):
+    served, checkpoints = lab[2], lab[3]
+    path = served / path.relative_to(ROOT / "notebooks")
+    nb_bytes, mtime = path.read_bytes(), path.stat().st_mtime_ns
+    nb = json.loads(nb_bytes)
+    title, n_cells = notebook_title(nb), len(nb["cells"])
+    folder_before = sorted(p.name for p in path.parent.iterdir())
+    state, png = open_in_lab(lab, chromium, path)
     shot = tmp_path / f"{path.stem}.png"
     shot.write_bytes(png)
     print(f"screenshot: {shot}")
-    # Opening the notebook started a kernel: shut it down before the next notebook.
-    for session in get_json(f"{base}/api/sessions?token={token}"):
-        get_json(f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE")
 
     assert state.get("cells") == n_cells, f"JupyterLab drew {state.get('cells')} of {n_cells} cells ({shot})"
     assert title in state["text"], f"title {title!r} not on the page ({shot})"
@@ -235,7 +321,23 @@ def test_notebook_renders_in_jupyterlab(path, lab, chromium, tmp_path):
     assert stats["size"] == (WIDTH, HEIGHT), stats
     assert stats["colours"] > 100 and stats["non_background"] > 0.05 and stats["std"] > 20, \
         f"the screenshot looks blank: {stats} ({shot})"
-    # Opening changed nothing in the repo: same notebook bytes, no checkpoint or other new file beside it.
-    assert path.read_bytes() == nb_bytes, "opening the notebook modified it"
-    assert sorted(p.name for p in path.parent.iterdir()) == folder_before
-    assert any(checkpoints.rglob(f"{path.stem}-checkpoint.ipynb")), "checkpoint was not redirected out of the repo"
+    assert_opening_changed_nothing(path, nb_bytes, mtime)
+    assert sorted(p.name for p in path.parent.iterdir()) == folder_before, "opening created files beside it"
+    assert any(checkpoints.rglob(f"{path.stem}-checkpoint.ipynb")), "checkpoint was not redirected out of the tree"
+
+
+def assert_opening_changed_nothing(path: Path, before: bytes, mtime: int) -> None:
+    """The notebook file is as it was after autosave had its chance: same bytes, not even saved again.
+
+    The kernel (this interpreter) reports its Python's version in language_info; where that differs from
+    the notebook's, JupyterLab rewrites that one field (tests/test_notebook_metadata.py says why), and
+    nothing else may change.
+    """
+    nb = json.loads(before)
+    python, recorded = platform.python_version(), nb["metadata"].get("language_info", {}).get("version")
+    if recorded is not None and recorded != python:
+        nb["metadata"]["language_info"]["version"] = python
+        assert json.loads(path.read_bytes()) == nb, "opening the notebook changed more than the Python version"
+        return
+    assert path.read_bytes() == before, "opening the notebook modified it (incomplete kernel metadata?)"
+    assert path.stat().st_mtime_ns == mtime, "opening the notebook saved it again"
