@@ -1,9 +1,9 @@
 """labkit: helpers for the course "Lab-1.5: FlashAttention Deep Dive".
 
 Notebooks use ``import labkit as lk`` and reach each module as ``lk.env``, ``lk.attention``,
-``lk.bench``, ``lk.profiles``, ``lk.grading``, ``lk.plots``, ``lk.precision`` and ``lk.amp``.
+``lk.bench``, ``lk.doctor``, ``lk.profiles``, ``lk.grading``, ``lk.plots``, ``lk.precision`` and ``lk.amp``.
 """
-from . import amp, attention, bench, env, gpt2, grading, longctx, perfmodel, plots, precision, predictor, profiles, profiling, roofline
+from . import amp, attention, bench, doctor, env, kernels, measure, gpt2, grading, hf_attention, levers, longctx, longdata, longmem, perfmodel, plots, precision, predictor, profiles, profiling, rope, roofline
 
 __version__ = "0.1.0"
-__all__ = ["amp", "attention", "bench", "env", "gpt2", "grading", "longctx", "perfmodel", "plots", "precision", "predictor", "profiles", "profiling", "roofline"]
+__all__ = ["amp", "attention", "bench", "doctor", "env", "kernels", "measure", "gpt2", "grading", "hf_attention", "levers", "longctx", "longdata", "longmem", "perfmodel", "plots", "precision", "predictor", "profiles", "profiling", "rope", "roofline"]

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from .kernels import (BACKENDS, HALF, RUN_ERRORS, RUNNERS, AttentionInputError, causal_mask, native_layout,
-                      reference_attention, static_problem, why_not)
+                      package_problem, reference_attention, static_problem, why_not)
 from .measure import time_interleaved
 
 LAYOUTS = ("bhnd", "bnhd")
@@ -240,7 +240,8 @@ def auto_candidates(q, k, *, causal: bool = False, layout: str = "bhnd") -> list
     """The backends "auto" chooses from for q, k in ``layout``: the fused ones that pass the static
     checks, else sdpa_math, else the reference."""
     dtype, (q, k) = _cast_dtype(q) or q.dtype, _as_bhnd(q, k, layout=layout)
-    runnable = [b for b in BACKENDS[1:] if static_problem(b, q, k, causal=causal, dtype=dtype) is None]
+    runnable = [b for b in BACKENDS[1:]
+                if static_problem(b, q, k, causal=causal, dtype=dtype) is None and package_problem(b) is None]
     return [b for b in runnable if b != "sdpa_math"] or runnable or ["reference"]
 
 

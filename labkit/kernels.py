@@ -151,6 +151,17 @@ def flash_function(backend: str) -> Callable:
 
 # ----------------------------------------------------------------------------- what stops a backend
 
+def package_problem(backend: str) -> str | None:
+    """Why ``backend``'s package cannot be imported here (None: it imports, or needs no package)."""
+    if backend not in _PACKAGES:
+        return None
+    try:
+        flash_function(backend)
+    except ImportError as err:
+        return str(err)
+    return None
+
+
 def static_problem(backend: str, q, k, *, causal: bool, dtype: torch.dtype | None = None) -> str | None:
     """What stops ``backend`` from taking bhnd q [B, H, N, D], k [B, H, Nk, D], knowable without
     running it (None = nothing). ``dtype``: the dtype the kernel will see (default q's)."""

@@ -210,7 +210,7 @@ def test_gpt2_small_checkpointed_step_on_the_gpu(monkeypatch, implementation):
 
     lk.gpt2.enable_checkpointing(model)
     loss_ckpt, grad_ckpt = step()
-    model.activation_checkpointing_disable()
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
     loss, grad = step()
     # bf16 activations recomputed by the same kernels: the same values up to reduction order
     torch.testing.assert_close(loss_ckpt, loss, rtol=1e-3, atol=0)
