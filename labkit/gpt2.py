@@ -1,32 +1,29 @@
-"""GPT-2 through Hugging Face transformers' AttentionInterface, the supported way.
+"""GPT-2 models for the course: sizes, attention implementations, and their speed and memory.
 
-- :func:`register`: registers :func:`attention_forward` under the name ``"labkit"`` in
-  ``AttentionInterface`` *and* its mask function in ``AttentionMaskInterface`` (without the
-  second, transformers drops padding masks silently). The name avoids "flash": transformers
-  treats such names as FlashAttention packages or hub kernels.
+- :func:`build_model`: GPT-2 of several sizes (``SIZES``), random init with any number of
+  learned positions, or pretrained weights when they are already in the local Hugging Face
+  cache (never downloads; their table has 1024 positions).
 - :func:`set_attention`: switch a model between ``"eager"``, ``"sdpa"``, ``"labkit"`` and
   ``"labkit:<backend>"`` in place; the weights are the same tensors whatever runs attention.
-- :func:`build_model`: GPT-2 of several sizes (``SIZES``), random init, or pretrained weights
-  when they are already in the local Hugging Face cache (never downloads).
-- :func:`extend_positions`: grow the learned position table past its length.
+  "labkit" is :func:`lk.hf_attention.attention_forward <labkit.hf_attention.attention_forward>`.
+- :func:`enable_checkpointing`, :func:`forward_logits`: training and comparison helpers.
 - :func:`training_throughput`, :func:`training_throughput_table`, :func:`inference_latency`:
   measurements (CUDA events after warm-up, peak memory after resetting the counter).
 
 Transformers is imported inside functions, so ``import labkit`` stays fast.
 
-Used in: 02_gpt2_integration, 03_long_sequence_training.
+Used in: 02_gpt2_integration, 03_long_sequence_training, 04_performance_analysis.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import attention as attn
-from . import bench
+from . import hf_attention
 from .env import default_device
+from .hf_attention import ATTN_NAME, DEFAULT_BACKEND
+from .measure import free_memory, is_oom, peak_memory, time_fn
 
-ATTN_NAME = "labkit"
-DEFAULT_BACKEND = "auto"  # used when a model's config sets no labkit_backend
 SIZES = {  # n_layer, n_embd, n_head (head dim 64 except tiny), vocab, positions
     # tiny: bytes as tokens; a wider init so a random model does not just echo its input
     # through the tied embeddings (greedy decoding then shows varied tokens)
@@ -38,83 +35,6 @@ SIZES = {  # n_layer, n_embd, n_head (head dim 64 except tiny), vocab, positions
 }
 HUB_IDS = {"small": "openai-community/gpt2", "medium": "openai-community/gpt2-medium",
            "large": "openai-community/gpt2-large", "xl": "openai-community/gpt2-xl"}
-
-
-# ----------------------------------------------------------------------------- the attention function
-
-def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None,
-                      dropout: float = 0.0, **kwargs):
-    """The attention function transformers calls for ``attn_implementation="labkit"``.
-
-    Routing: no mask and no dropout (training, unpadded prefill) goes to ``lk.attention.attention``
-    with the model's backend (``config.labkit_backend``, else :data:`DEFAULT_BACKEND`), causal,
-    without NaN check or sync. One query (decoding with a KV cache) sees every cached key, so it
-    runs non-causal, and under "auto" on "reference" (shapes change every token; "auto" would
-    re-time them). A padding mask or dropout goes to PyTorch SDPA with that mask: the FlashAttention
-    kernels take neither (a fully masked row gives 0, as in transformers' "sdpa").
-
-    Args:
-        module: the calling GPT2Attention (reads ``config``, ``is_causal``, ``scaling``).
-        query: [B, H, N, D]; key, value: [B, H, Nk, D].
-        attention_mask: None, or [B, 1, N, Nk] bool (True = attend) from the registered mask
-            function, or a float additive mask.
-        scaling: score scale (GPT-2: 1/sqrt(D), divided by layer+1 if so configured).
-        dropout: attention dropout probability (nonzero only in training mode).
-
-    Returns:
-        (out [B, N, H, D], None): transformers' layout; no attention weights.
-    """
-    scale = _scale(module, query, scaling)
-    causal = kwargs.get("is_causal")
-    causal = getattr(module, "is_causal", True) if causal is None else causal
-    n, nk = query.shape[2], key.shape[2]
-    if attention_mask is None and causal and 1 < n < nk:
-        # transformers' convention (as its "sdpa"): a None mask with Nk > N > 1 only happens when
-        # prefilling an empty static cache, whose slots past N are unused (top-left alignment).
-        key, value = key[:, :, :n], value[:, :, :n]
-    if attention_mask is None and dropout == 0.0:
-        backend = getattr(getattr(module, "config", None), "labkit_backend", None) or DEFAULT_BACKEND
-        if backend == "auto" and n == 1:
-            backend = "reference"
-        out = attn.attention(query, key, value, causal=causal and n > 1, scale=scale,
-                             backend=backend, layout="bhnd", nan_policy="ignore")
-    else:
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask.to(query.dtype)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                             is_causal=attention_mask is None and causal and n > 1, scale=scale)
-    return out.transpose(1, 2), None
-
-
-def _scale(module, query: torch.Tensor, scaling: float | None) -> float:
-    """GPT-2's score scale; older transformers pass none, so derive it from the module."""
-    if scaling is not None:
-        return scaling
-    if getattr(module, "scaling", None) is not None:
-        return module.scaling
-    scale = query.shape[-1] ** -0.5 if getattr(module, "scale_attn_weights", True) else 1.0
-    if getattr(module, "scale_attn_by_inverse_layer_idx", False):
-        scale /= float(module.layer_idx + 1)
-    return scale
-
-
-def register(name: str = ATTN_NAME, fn=attention_forward) -> str:
-    """Register ``fn`` as attention implementation ``name``, with transformers' SDPA-style
-    mask function (None for pure causal, else a bool [B, 1, N, Nk] mask). Idempotent.
-
-    Raises:
-        ValueError: ``name`` contains "flash" (transformers would load it as a kernel package).
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if "flash" in name.lower() or "/" in name:
-        raise ValueError(f"attention name {name!r}: transformers treats names containing 'flash' or '/' as "
-                         "FlashAttention packages or hub kernels. Choose another name, e.g. 'labkit'.")
-    AttentionInterface.register(name, fn)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    return name
 
 
 def _parse(implementation: str) -> tuple[str, str | None]:
@@ -138,7 +58,10 @@ def set_attention(model, implementation: str) -> None:
             "labkit:<backend>" with a name from ``lk.attention.BACKENDS`` or "auto".
     """
     name, backend = _parse(implementation)
-    register()
+    if name != ATTN_NAME and getattr(model.config, "labkit_rope_base", None) is not None:
+        raise ValueError(f"this model uses RoPE (lk.rope.use_rope), which only the '{ATTN_NAME}' implementation "
+                         f"applies; choose '{ATTN_NAME}' or '{ATTN_NAME}:<backend>', not {implementation!r}.")
+    hf_attention.ensure_registered()
     if name == ATTN_NAME:
         model.config.labkit_backend = backend
     model.set_attn_implementation(name)
@@ -166,9 +89,16 @@ def build_model(size: str = "tiny", *, attn_implementation: str = "sdpa", pretra
     Random init (seeded) unless ``pretrained``: then the weights come from the local Hugging Face
     cache only (``local_files_only``, so HF_HUB_OFFLINE or not, nothing is downloaded); if they are
     not there a notice is printed and the model is randomly initialized.
-    ``overrides`` go to the config (e.g. ``n_positions=4096``); for pretrained weights only
-    ``n_positions`` is used (the table is grown with :func:`extend_positions`).
+    ``overrides`` go to the config of a random-init model (e.g. ``n_positions=65536``: a table
+    of that many learned positions); pretrained weights take none.
+
+    Raises:
+        ValueError: ``pretrained`` with overrides, e.g. more positions than the checkpoint's 1024
+            (random init needs no extension: build it for N tokens).
     """
+    if pretrained and overrides:
+        raise ValueError(f"pretrained GPT-2 comes with its own config (1024 learned positions); overrides "
+                         f"{sorted(overrides)} apply to random init only (pretrained=False).")
     model = _load_pretrained(size, dropout) if pretrained else None
     if model is None:
         torch.manual_seed(seed)
@@ -176,8 +106,6 @@ def build_model(size: str = "tiny", *, attn_implementation: str = "sdpa", pretra
             from transformers import GPT2LMHeadModel
 
             model = GPT2LMHeadModel(gpt2_config(size, dropout=dropout, **overrides))
-    elif overrides.get("n_positions", 0) > model.config.n_positions:
-        extend_positions(model, overrides["n_positions"])
     model = model.to(device).eval()
     model.loss_type = "ForCausalLM"  # GPT-2 configs name none; say it instead of a warning per model
     set_attention(model, attn_implementation)
@@ -201,38 +129,6 @@ def _load_pretrained(size: str, dropout: float):
           f"(nothing is downloaded). To use the real weights, run once with network access: "
           f"hf download {HUB_IDS[size]}")
     return None
-
-
-def extend_positions(model, n_positions: int, mode: str = "tile") -> None:
-    """Grow the learned position table ``wpe`` [P, C] to [n_positions, C] in place.
-
-    Modes: "tile" copies the table into rows 0..P-1 and repeats it after (row i = old[i % P]),
-    so inputs up to P tokens give the same logits as before; "interpolate" stretches the table
-    linearly over the new length (every row changes; fine-tune afterwards).
-    Updates ``config.n_positions`` and any causal-mask buffer older GPT-2 code keeps.
-    """
-    wpe = model.transformer.wpe
-    old, p = wpe.weight.detach(), wpe.weight.shape[0]
-    if n_positions <= p:
-        raise ValueError(f"n_positions={n_positions} must exceed the current {p} positions.")
-    if mode == "tile":
-        new = old.repeat(-(-n_positions // p), 1)[:n_positions]
-    elif mode == "interpolate":
-        new = F.interpolate(old.T.unsqueeze(0).float(), size=n_positions, mode="linear",
-                            align_corners=True)[0].T.to(old.dtype)
-    else:
-        raise ValueError(f"unknown mode {mode!r}; use 'tile' or 'interpolate'.")
-    table = torch.nn.Embedding(n_positions, old.shape[1], device=old.device, dtype=old.dtype)
-    table.weight.data.copy_(new)
-    table.weight.requires_grad_(wpe.weight.requires_grad)
-    model.transformer.wpe = table
-    model.config.n_positions = n_positions
-    for module in model.modules():  # transformers < 4.48 kept a [1, 1, P, P] tril buffer per layer
-        bias = getattr(module, "bias", None)
-        if isinstance(bias, torch.Tensor) and bias.dtype == torch.bool and bias.dim() == 4:
-            full = torch.ones(n_positions, n_positions, dtype=torch.bool, device=bias.device)
-            module.register_buffer("bias", torch.tril(full).view(1, 1, n_positions, n_positions),
-                                   persistent=False)
 
 
 def enable_checkpointing(model) -> None:
@@ -261,7 +157,7 @@ def _default_dtype(device: torch.device) -> torch.dtype:
 def _status(err: BaseException) -> str:
     if isinstance(err, (attn.AttentionInputError, ImportError)):
         return f"unsupported: {str(err).splitlines()[0][:160]}"
-    return "oom" if bench.is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return "oom" if is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
 
 
 def _measure(step, device: torch.device, target_ms: float) -> tuple[float, float]:
@@ -269,8 +165,8 @@ def _measure(step, device: torch.device, target_ms: float) -> tuple[float, float
     for _ in range(2):  # warm-up: kernels chosen and compiled, optimizer state allocated
         step()
     held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    extra = bench.peak_memory(step, device=device)  # resets the peak counter first
-    timing = bench.time_fn(step, device=device, warmup=0, target_ms=target_ms)
+    extra = peak_memory(step, device=device)  # resets the peak counter first
+    timing = time_fn(step, device=device, warmup=0, target_ms=target_ms)
     return timing.median_ms, (held + extra) / 2**30
 
 
@@ -296,7 +192,7 @@ def training_throughput(implementation: str, seq_len: int, tokens_per_step: int 
     except (RuntimeError, MemoryError, ValueError, ImportError, NotImplementedError) as err:
         row.update(status=_status(err), step_ms=float("nan"), tokens_per_s=float("nan"), peak_gib=float("nan"))
     if device.type == "cuda":  # gc.collect costs ~0.5 s with transformers loaded: only where memory is scarce
-        bench.free_memory()
+        free_memory()
     return row
 
 
@@ -362,11 +258,10 @@ def inference_latency(model, implementation: str, seq_len: int, batch: int = 1, 
     except (RuntimeError, MemoryError, ValueError, ImportError) as err:
         row.update(status=_status(err), ms=float("nan"), tokens_per_s=float("nan"), peak_gib=float("nan"))
     if device.type == "cuda":
-        bench.free_memory()
+        free_memory()
     return row
 
 
-__all__ = ["ATTN_NAME", "DEFAULT_BACKEND", "HUB_IDS", "SIZES", "attention_forward", "build_model",
-           "enable_checkpointing", "extend_positions", "forward_logits", "gpt2_config",
-           "inference_latency", "register", "set_attention", "training_throughput",
+__all__ = ["ATTN_NAME", "DEFAULT_BACKEND", "HUB_IDS", "SIZES", "build_model", "enable_checkpointing",
+           "forward_logits", "gpt2_config", "inference_latency", "set_attention", "training_throughput",
            "training_throughput_table"]

@@ -1,5 +1,5 @@
-"""labkit.gpt2: the registered attention against eager GPT-2, padding, KV-cache decoding,
-checkpointing, position extension, measurements and errors.
+"""labkit.gpt2: every attention implementation against eager GPT-2, padding, KV-cache decoding,
+checkpointing, model building, measurements and errors.
 
 Tolerances: in fp32 the paths differ only in summation order (softmax in fp32 everywhere), so
 logits agree to ~1e-6 relative; 1e-5 (relative L2) leaves margin without hiding a wrong mask
@@ -44,42 +44,7 @@ def padded(seqs: list[list[int]], side: str, pad_id: int = 0):
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-# ----------------------------------------------------------------------------- registration
-
-def test_register_puts_name_in_both_interfaces():
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    assert gpt2.register() == "labkit"
-    assert ALL_ATTENTION_FUNCTIONS["labkit"] is gpt2.attention_forward
-    assert "labkit" in ALL_MASK_ATTENTION_FUNCTIONS
-
-
-@pytest.mark.parametrize("name", ["my_flash", "FlashLab", "org/kernel"])
-def test_register_refuses_kernel_names(name):
-    with pytest.raises(ValueError, match="flash"):
-        gpt2.register(name)
-
-
-def test_without_mask_function_padding_is_dropped(model, ids):
-    """The gotcha the module avoids: a name only in AttentionInterface gets no padding mask."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("labkit_nomask", gpt2.attention_forward)
-    mask = torch.ones_like(ids)
-    mask[0, :10] = 0
-    try:
-        ref = gpt2.forward_logits(model, ids, "eager", attention_mask=mask)
-        model.set_attn_implementation("labkit_nomask")
-        dropped = gpt2.forward_logits(model, ids, attention_mask=mask)
-        kept = gpt2.forward_logits(model, ids, "labkit", attention_mask=mask)
-    finally:
-        AttentionInterface._global_mapping.pop("labkit_nomask", None)
-        gpt2.set_attention(model, "eager")
-    real = mask.bool()
-    assert rel_l2(kept[real], ref[real]) < 1e-5
-    assert rel_l2(dropped[0, 10:], ref[0, 10:]) > 1e-3
-
+# ----------------------------------------------------------------------------- switching implementations
 
 def test_set_attention_keeps_the_same_weights(model):
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
@@ -93,6 +58,15 @@ def test_set_attention_keeps_the_same_weights(model):
 def test_set_attention_rejects_unknown_names(model, bad):
     with pytest.raises(ValueError):
         gpt2.set_attention(model, bad)
+
+
+def test_set_attention_keeps_a_rope_model_on_labkit():
+    m = gpt2.build_model("tiny", attn_implementation="labkit")
+    lk.rope.use_rope(m)
+    for impl in ["sdpa", "eager"]:
+        with pytest.raises(ValueError, match="RoPE"):
+            gpt2.set_attention(m, impl)
+    gpt2.set_attention(m, "labkit:sdpa_math")  # any labkit backend applies it
 
 
 # ----------------------------------------------------------------------------- numerics (fp32, CPU)
@@ -168,22 +142,6 @@ def test_left_padded_generation_matches_eager(model):
     assert torch.equal(*outs)
 
 
-def test_decode_and_padding_routes():
-    """N=1 runs non-causal (sees every cached key); a mask goes to SDPA with that mask."""
-    module = torch.nn.Module()
-    module.is_causal = True
-    q, k, v = (torch.randn(2, 3, n, 8, generator=torch.Generator().manual_seed(n)) for n in (1, 9, 9))
-    out, weights = gpt2.attention_forward(module, q, k, v, None, scaling=0.3)
-    ref = lk.attention.reference_attention(q, k, v, scale=0.3)[0].transpose(1, 2)
-    assert weights is None and out.shape == (2, 1, 3, 8)
-    torch.testing.assert_close(out, ref)
-    keep = torch.rand(2, 1, 1, 9, generator=torch.Generator().manual_seed(3)) > 0.3
-    keep[..., 0] = True
-    out, _ = gpt2.attention_forward(module, q, k, v, keep, scaling=0.3)
-    ref = lk.attention.reference_attention(q, k, v, scale=0.3, mask=keep)[0].transpose(1, 2)
-    torch.testing.assert_close(out, ref)
-
-
 def test_dropout_in_training_runs():
     m = gpt2.build_model("tiny", attn_implementation="labkit", dropout=0.1).train()
     ids = torch.randint(0, 255, (2, 16))
@@ -202,37 +160,6 @@ def test_activation_checkpointing_gives_the_same_gradients(ids):
     assert max(rel_l2(got[n], ref[n]) for n in ref) < 1e-6
 
 
-def test_extend_positions_tile_keeps_short_inputs(ids):
-    m = gpt2.build_model("tiny", attn_implementation="labkit")
-    before = gpt2.forward_logits(m, ids)
-    old = m.transformer.wpe.weight.detach().clone()
-    gpt2.extend_positions(m, 1200)
-    assert m.config.n_positions == 1200 and m.transformer.wpe.weight.shape == (1200, 64)
-    torch.testing.assert_close(m.transformer.wpe.weight[512:1024], old)
-    torch.testing.assert_close(gpt2.forward_logits(m, ids), before)
-    long = torch.randint(0, 255, (1, 1100))
-    assert torch.isfinite(gpt2.forward_logits(m, long)).all()
-    m.train()
-    m(input_ids=long, labels=long, use_cache=False).loss.backward()
-    assert m.transformer.wpe.weight.grad.shape == (1200, 64)
-
-
-def test_extend_positions_interpolate_and_buffers():
-    m = gpt2.build_model("tiny")
-    old = m.transformer.wpe.weight.detach().clone()
-    m.transformer.h[0].attn.register_buffer("bias", torch.ones(1, 1, 512, 512, dtype=torch.bool).tril())
-    gpt2.extend_positions(m, 1023, mode="interpolate")
-    new = m.transformer.wpe.weight.detach()
-    torch.testing.assert_close(new[0], old[0])
-    torch.testing.assert_close(new[-1], old[-1])
-    torch.testing.assert_close(new[2], old[1])  # (P-1) -> (2P-2) stretches by exactly 2
-    assert m.transformer.h[0].attn.bias.shape == (1, 1, 1023, 1023)
-    with pytest.raises(ValueError, match="exceed"):
-        gpt2.extend_positions(m, 100)
-    with pytest.raises(ValueError, match="mode"):
-        gpt2.extend_positions(m, 4096, mode="copy-paste")
-
-
 # ----------------------------------------------------------------------------- models and measurements
 
 def test_sizes_and_bad_size():
@@ -241,6 +168,14 @@ def test_sizes_and_bad_size():
     assert cfg.attn_pdrop == 0.0 and gpt2.gpt2_config("tiny", n_positions=64).n_positions == 64
     with pytest.raises(ValueError, match="size"):
         gpt2.gpt2_config("huge")
+
+
+def test_random_init_takes_any_number_of_positions_pretrained_none():
+    m = gpt2.build_model("tiny", n_positions=1500)
+    assert m.transformer.wpe.weight.shape == (1500, 64)
+    assert torch.isfinite(gpt2.forward_logits(m, torch.randint(0, 255, (1, 1400)))).all()
+    with pytest.raises(ValueError, match="random init"):
+        gpt2.build_model("small", pretrained=True, n_positions=4096)
 
 
 def test_pretrained_missing_gives_notice_and_random_init(monkeypatch, capsys):
