@@ -14,18 +14,13 @@ from labkit import gpt2, hf_attention
 transformers = pytest.importorskip("transformers")
 
 
-def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref.double()).norm() / ref.double().norm())
-
-
 @pytest.fixture(scope="module")
 def model():
     return gpt2.build_model("tiny", attn_implementation="eager", seed=0)
 
 
-@pytest.fixture(scope="module")
-def ids():
-    return torch.randint(0, 255, (3, 48), generator=torch.Generator().manual_seed(0))
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return lk.precision.error_metrics(x, ref)["rel_l2"]
 
 
 def test_the_name_is_in_both_interfaces_once_a_model_uses_it(model):
@@ -39,10 +34,11 @@ def test_the_name_is_in_both_interfaces_once_a_model_uses_it(model):
     assert "flash" not in hf_attention.ATTN_NAME
 
 
-def test_without_mask_function_padding_is_dropped(model, ids):
+def test_without_mask_function_padding_is_dropped(model):
     """The gotcha ensure_registered avoids: a name only in AttentionInterface gets no padding mask."""
     from transformers import AttentionInterface
 
+    ids = torch.randint(0, 255, (3, 48), generator=torch.Generator().manual_seed(0))
     AttentionInterface.register("labkit_nomask", hf_attention.attention_forward)
     mask = torch.ones_like(ids)
     mask[0, :10] = 0

@@ -67,7 +67,7 @@ def test_loss_by_position_averages_to_the_model_loss():
 def test_passkey_key_is_far_from_the_question(repeats):
     n, d, k = 40, 20, 5
     ids, answer = longdata.passkey_batch(256, n, min_distance=d, n_keys=k, repeats=repeats, vocab=30,
-                                        generator=torch.Generator().manual_seed(0))
+                                         generator=torch.Generator().manual_seed(0))
     assert ids.shape == (256, n) and answer.shape == (256,)
     assert (ids[:, -1] == k).all() and ((ids[:, :-1] > k) | (ids[:, :-1] == answer[:, None])).all()
     is_key = ids < k
