@@ -54,16 +54,17 @@ def direct_call(backend: str, *, causal: bool, layout: str) -> Callable:
     return flash
 
 
-def _timer(device: torch.device) -> Callable[[Callable], float]:
-    """Milliseconds of one measurement of ``fn``: do_bench on a GPU with triton, else time_fn."""
+def _timer(device: torch.device, rep_ms: float) -> Callable[[Callable], float]:
+    """Milliseconds of one measurement of ``fn`` (about ``rep_ms`` of calls): do_bench on a GPU
+    with triton, else time_fn."""
     if device.type == "cuda":
         try:
             from triton.testing import do_bench
 
-            return lambda fn: do_bench(fn, warmup=10, rep=40)
+            return lambda fn: do_bench(fn, warmup=10, rep=rep_ms)
         except ImportError:
             pass
-    return lambda fn: time_fn(fn, device=device, target_ms=20).median_ms
+    return lambda fn: time_fn(fn, device=device, target_ms=rep_ms).median_ms
 
 
 def _row_calls(cfg: dict, *, causal: bool, layout: str, mode: str, dtype, device) -> dict[str, Callable]:
@@ -94,7 +95,8 @@ def _row_calls(cfg: dict, *, causal: bool, layout: str, mode: str, dtype, device
 
 
 def vs_direct(configs: list[dict], *, layouts=("bhnd", "bnhd"), causal=(False, True), modes=attn.MODES,
-              rounds: int = 8, dtype=torch.bfloat16, device=None, progress: bool = True) -> pd.DataFrame:
+              rounds: int = 8, rep_ms: float = 100.0, dtype=torch.bfloat16, device=None,
+              progress: bool = True, partial_csv=None) -> pd.DataFrame:
     """One row per (config, layout, causal, mode): the fastest direct kernel, auto, the named pick, the control.
 
     Returns:
@@ -106,7 +108,7 @@ def vs_direct(configs: list[dict], *, layouts=("bhnd", "bnhd"), causal=(False, T
     from tqdm.auto import tqdm
 
     device = as_device(device)
-    measure = _timer(device)
+    measure = _timer(device, rep_ms)
     groups = [(cfg, lay, c, m) for cfg in configs for lay in layouts for c in causal for m in modes]
     rows = []
     for cfg, layout, c, mode in tqdm(groups, desc="auto vs direct", disable=not progress):
@@ -130,7 +132,11 @@ def vs_direct(configs: list[dict], *, layouts=("bhnd", "bnhd"), causal=(False, T
         rows.append(dict(**cfg, layout=layout, causal=c, mode=mode, best=best.split(":", 1)[1], pick=pick,
                          best_ms=direct[best], auto_ms=med["auto"], auto_over_best=direct[best] / med["auto"],
                          labkit_over_direct=med[f"direct:{pick}"] / med[f"labkit:{pick}"],
-                         control=med[f"direct:{pick}"] / med["control"], failed="; ".join(f"{k}: {v}" for k, v in failed.items())))
+                         control=med[f"direct:{pick}"] / med["control"],
+                         failed="; ".join(f"{k}: {v}" for k, v in failed.items()),
+                         **{f"ms {name}": t for name, t in med.items()}))
+        if partial_csv is not None:
+            pd.DataFrame(rows).to_csv(partial_csv, index=False)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)
