@@ -1,0 +1,110 @@
+"""Run an exercise's answer and test cells in-process, as a notebook kernel would, to grade answers.
+
+A solution notebook (nbgrader source) gives each exercise an answer cell (``grade_id``) and a test cell
+(``grade_id + "_tests"``); the released notebook gives the blank answer. :class:`NotebookRunner` executes
+chosen setup cells and the answers in one namespace, compiles every cell under its own file name in
+``linecache`` (so ``inspect.getsource`` works, as in IPython) and grades an answer against the visible
+part of the test cell, then the whole cell with the hidden tests.
+
+Used in: tests/test_grader_strength.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import linecache
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HIDDEN = re.compile(r"### BEGIN HIDDEN TESTS.*?### END HIDDEN TESTS\n?", re.S)
+_serial = itertools.count()
+
+
+def _source(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def _grade_id(cell: dict) -> str:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id", "")
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One autograded exercise: answer, its blank release version and its test cell (sources)."""
+
+    grade_id: str
+    answer: str
+    blank: str
+    tests: str
+
+    @property
+    def visible(self) -> str:
+        """The test cell as students see it: the hidden block removed (as nbgrader does)."""
+        return HIDDEN.sub("", self.tests)
+
+    def mutate(self, old: str, new: str) -> str:
+        """The answer with ``old`` replaced by ``new``; ``old`` must occur exactly once."""
+        count = self.answer.count(old)
+        assert count == 1, f"{self.grade_id}: {old!r} occurs {count} times in the answer"
+        return self.answer.replace(old, new)
+
+
+def exercises(assignment: str) -> list[Exercise]:
+    """The autograded exercises of ``solutions/<assignment>``, in notebook order."""
+    solution = json.loads((ROOT / "solutions" / assignment / f"{assignment}.ipynb").read_text(encoding="utf-8"))
+    release = json.loads((ROOT / "notebooks" / assignment / f"{assignment}.ipynb").read_text(encoding="utf-8"))
+    cells = {_grade_id(c): _source(c) for c in solution["cells"] if c["cell_type"] == "code" and _grade_id(c)}
+    blanks = {_grade_id(c): _source(c) for c in release["cells"] if c["cell_type"] == "code" and _grade_id(c)}
+    return [Exercise(gid, cells[gid], blanks[gid], cells[gid + "_tests"])
+            for gid in cells if gid + "_tests" in cells]
+
+
+def setup_cells(assignment: str, markers: list[str]) -> list[str]:
+    """Sources of the ungraded code cells holding one of ``markers`` (e.g. the profile cell), in order."""
+    solution = json.loads((ROOT / "solutions" / assignment / f"{assignment}.ipynb").read_text(encoding="utf-8"))
+    found = [_source(c) for c in solution["cells"] if c["cell_type"] == "code" and not _grade_id(c)
+             and any(m in _source(c) for m in markers)]
+    assert len(found) == len(markers), f"{assignment}: {len(found)} setup cells for {len(markers)} markers"
+    return found
+
+
+class NotebookRunner:
+    """One namespace per notebook, like one kernel; cell output is swallowed."""
+
+    def __init__(self):
+        self.namespace = {"__name__": "__main__", "display": lambda *args, **kwargs: None}
+
+    def run(self, source: str) -> None:
+        """Execute a cell; compiled under a fresh file name kept in linecache, as IPython does."""
+        filename = f"<cell-{next(_serial)}>"
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(source, filename, "exec"), self.namespace)  # noqa: S102 - a notebook cell
+
+    def fails(self, source: str) -> bool:
+        """Whether the cell raises (any exception: a failed check or an error in the answer)."""
+        try:
+            self.run(source)
+        except Exception:  # noqa: BLE001 - any error fails the test cell, as in nbgrader
+            return True
+        return False
+
+    def grade(self, exercise: Exercise, answer: str) -> str:
+        """Outcome of ``answer``: "visible", "hidden" (caught only by the hidden tests) or "passed".
+
+        The solution's answer is executed again afterwards, so later exercises see the right code.
+
+        The visible part runs first; the full cell runs only when it passes (a visible check that fails
+        fails the full cell too: the cells seed their own inputs).
+        """
+        try:
+            self.run(answer)
+            if self.fails(exercise.visible):
+                return "visible"
+            return "hidden" if self.fails(exercise.tests) else "passed"
+        finally:
+            self.run(exercise.answer)
