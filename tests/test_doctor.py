@@ -57,7 +57,7 @@ def test_backend_table_cuda():
 def broken_import(monkeypatch):
     """Make ``import <module>`` fail with a given error and the distribution look (not) installed."""
     def setup(module: str, error: BaseException, version: str | None):
-        real_import, real_version = importlib.import_module, importlib.metadata.version
+        real_import = importlib.import_module
 
         def fake_import(name, *a, **kw):
             if name == module:
