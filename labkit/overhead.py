@@ -6,6 +6,8 @@ For each configuration, layout, causal flag and mode (forward, forward+backward)
 - ``auto``: ``lk.attention.attention(..., backend="auto")``, and ``labkit:<pick>`` for the backend
   auto picked, named;
 - ``control``: ``direct:<pick>`` a second time under another name: the timing's own noise.
+In forward+backward rows each call's output gradient dO is ``ones_like`` of its own output, so it
+arrives in the layout the kernel wrote O in, as in training (and as ``auto`` tunes).
 Each call is timed with ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls) where
 triton is installed, else :func:`labkit.measure.time_fn`; the calls of one row take turns over
 ``rounds`` rounds (rotating order) and the median over rounds is kept, so clock drift favours none.
@@ -61,7 +63,7 @@ def _timer(device: torch.device, rep_ms: float) -> Callable[[Callable], float]:
         try:
             from triton.testing import do_bench
 
-            return lambda fn: do_bench(fn, warmup=10, rep=rep_ms)
+            return lambda fn: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
         except ImportError:
             pass
     return lambda fn: time_fn(fn, device=device, target_ms=rep_ms).median_ms
@@ -73,16 +75,19 @@ def _row_calls(cfg: dict, *, causal: bool, layout: str, mode: str, dtype, device
 
     needs_grad = mode == "fwd_bwd"
     q, k, v = attention_inputs(**cfg, layout=layout, dtype=dtype, device=device, requires_grad=needs_grad)
-    grad_out = torch.ones_like(q) if needs_grad else None
     with torch.set_grad_enabled(needs_grad):
         pick = attn.auto_choice(q, k, v, causal=causal, layout=layout)
         names = attn.auto_candidates(q, k, causal=causal, layout=layout)
 
     def timed(fn):
+        grad_out = None  # dO arrives in the output's own layout, as in training (and in auto's tuning)
+
         def call():
+            nonlocal grad_out
             with torch.set_grad_enabled(needs_grad):
                 o = fn(q, k, v)
                 if needs_grad:
+                    grad_out = torch.ones_like(o) if grad_out is None else grad_out
                     torch.autograd.grad(o, (q, k, v), grad_out)
         return call
 
