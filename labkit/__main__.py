@@ -1,9 +1,10 @@
-"""Command line: ``python -m labkit doctor | bench | execute | bundle``.
+"""Command line: ``python -m labkit doctor | bench | execute | bundle | cp-train``.
 
 - doctor: device, dtypes and which attention backends run here;
 - bench: the attention sweep to CSV and PNG (``--vs-direct``: labkit against the kernels called directly);
 - execute: run every solution notebook here, executed copies and a summary page (instructors);
-- bundle: the student zip, refused if any solution text would leak (instructors).
+- bundle: the student zip, refused if any solution text would leak (instructors);
+- cp-train: GPT-2 on one long sequence across GPUs with context parallelism (``lk.cprun``).
 """
 from __future__ import annotations
 
@@ -61,10 +62,17 @@ def _parser() -> argparse.ArgumentParser:
     bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
     bundle.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
     bundle.add_argument("--out", type=Path, default=Path("build/student-bundle.zip"), help="zip file to write")
+    sub.add_parser("cp-train", add_help=False,  # its options: python -m labkit cp-train --help (lk.cprun)
+                   help="GPT-2 on one long sequence across GPUs (context parallelism, torchrun)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["cp-train"]:
+        from . import cprun
+
+        return cprun.main(argv[1:])
     args = _parser().parse_args(argv)
     from . import bench, doctor, plots
 

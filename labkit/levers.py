@@ -154,7 +154,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 None, None, None, None)
 
 
-def lm_loss(model, ids: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
+def lm_loss(model, ids: torch.Tensor, *, chunk_size: int | None = None, position_ids: torch.Tensor | None = None,
+            targets: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token loss (mean over the B*(N-1) predicted positions) of GPT-2 ``model`` on ``ids`` int64 [B, N].
 
     ``chunk_size=None``: transformers' own loss (full [B, N, V] logits, upcast to fp32).
@@ -162,7 +163,13 @@ def lm_loss(model, ids: torch.Tensor, *, chunk_size: int | None = None) -> torch
     time (in the autocast dtype for the matmul, fp32 for LayerNorm and softmax, as transformers
     does); the backward recomputes each chunk. Saved for the backward: the residual stream
     [B*N, C] and a log-sum-exp per position, instead of ln_f's output and N x V logits.
+
+    Chunked only: ``position_ids`` [B, N] (default 0..N-1) and ``targets`` int64 [B, N] (default
+    the next token; -100 = no loss; the mean is over the others), for a shard of a longer
+    sequence (``lk.cptrain``).
     """
+    if chunk_size is None and (position_ids is not None or targets is not None):
+        raise ValueError("position_ids and targets are for the chunked loss: pass a chunk_size.")
     if chunk_size is None:
         return model(input_ids=ids, labels=ids, use_cache=False).loss
     if chunk_size < 1:
@@ -170,10 +177,11 @@ def lm_loss(model, ids: torch.Tensor, *, chunk_size: int | None = None) -> torch
     ln_f = model.transformer.ln_f
     model.transformer.ln_f = nn.Identity()  # the loss applies it, chunk by chunk
     try:
-        x = model.transformer(input_ids=ids, use_cache=False).last_hidden_state  # [B, N, C] before ln_f
+        x = model.transformer(input_ids=ids, position_ids=position_ids, use_cache=False).last_hidden_state  # [B, N, C]
     finally:
         model.transformer.ln_f = ln_f
-    targets = F.pad(ids[:, 1:], (0, 1), value=-100)  # the next token; none after the last one
+    if targets is None:
+        targets = F.pad(ids[:, 1:], (0, 1), value=-100)  # the next token; none after the last one
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):

@@ -1,0 +1,198 @@
+"""``python -m labkit cp-train``: launch, check and report GPT-2 context-parallel training.
+
+- :func:`main`: the command. With ``--nproc P`` > 1 outside ``torchrun`` it starts itself as
+  ``python -m torch.distributed.run --standalone --nproc-per-node P -m labkit cp-train ...``;
+  under ``torchrun`` each rank joins the process group (NCCL on GPUs) and a 1-D device mesh, then
+  trains (:func:`lk.cptrain.train <labkit.cptrain.train>`) or, with ``--check``, compares with one GPU.
+- :func:`check_attention`: context-parallel SDPA forward and gradients vs single-GPU SDPA.
+- :func:`check_step`: a GPT-2 step's loss and gradients under context parallelism vs one GPU.
+- :func:`launch`: run the command from Python (a notebook) and return its JSON result.
+
+Both checks use the 2x rule: the bf16 result's error against fp32 on one GPU may be at most
+twice the error of plain bf16 on one GPU (the loss also passes within 0.1% of the fp32 loss).
+
+Used in: 07_context_parallel.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import cptrain
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m labkit cp-train", description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, required=True, help="tokens in the one training sequence")
+    p.add_argument("--nproc", type=int, default=None, help="processes (GPUs) to start through torchrun")
+    p.add_argument("--single", action="store_true", help="one process, no context parallelism (the baseline)")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps; the last is timed (default 2)")
+    p.add_argument("--checkpointing", action="store_true", help="recompute each block in the backward")
+    p.add_argument("--chunked-mlp", action="store_true", help="each block's MLP in checkpointed chunks")
+    p.add_argument("--chunk-size", type=int, default=4096, help="positions per chunk of the loss")
+    p.add_argument("--size", default="small", choices=list(cptrain.gpt2.SIZES), help="GPT-2 size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action="store_true", help="compare attention and a step with one GPU instead")
+    p.add_argument("--json", type=Path, default=None, help="write rank 0's result (all ranks) here")
+    return p
+
+
+def _relaunch(argv: list[str], nproc: int) -> int:
+    """This command under torchrun with ``nproc`` processes (``--nproc`` dropped)."""
+    rest, skip = [], False
+    for arg in argv:
+        if skip or arg == "--nproc" or arg.startswith("--nproc="):
+            skip = arg == "--nproc" and not skip
+            continue
+        rest.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "labkit", "cp-train", *rest]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def _setup(single: bool):
+    """(mesh or None, device): join torchrun's group and build a 1-D mesh, or one process alone."""
+    distributed = "LOCAL_RANK" in os.environ and not single
+    if not distributed:
+        return None, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("cp-train: context parallelism needs CUDA GPUs (PyTorch's ring attention runs SDPA's "
+                         "CUDA kernels only). On a CPU use --single, or lk.ringproc.run_ring for the ring itself.")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device)
+    return init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("cp",)), device
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    if args.nproc and args.nproc > 1 and not args.single and "LOCAL_RANK" not in os.environ:
+        return _relaunch(argv, args.nproc)
+    mesh, device = _setup(args.single)
+    try:
+        result = check(args, mesh, device) if args.check else cptrain.train(args, mesh, device)
+        rows = _gather(result, mesh)
+    finally:
+        if mesh is not None:
+            dist.destroy_process_group()
+    if mesh is None or _rank() == 0:
+        _report(rows, args)
+    return 0 if all(row.get("ok", True) for row in rows) else 1
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _gather(result: dict, mesh) -> list[dict]:
+    """Every rank's result on every rank (a list in rank order)."""
+    if mesh is None:
+        return [result]
+    rows = [None] * mesh.size()
+    dist.all_gather_object(rows, result)
+    return rows
+
+
+def _report(rows: list[dict], args) -> None:
+    """Print one line per rank (rank 0 only) and write ``--json``."""
+    if args.check:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        for r in rows:
+            print(f"rank {r['rank']}/{r['world']}: N={r['N']:,} local={r['local_tokens']:,} loss={r['losses'][-1]:.4f} "
+                  f"step={r['step_s']:.2f} s tokens/s={r['tokens_per_s']:,.0f} peak={r['peak_gib']:.2f} GiB "
+                  f"model={r['predicted_gib']:.2f} GiB ({r['device']})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+def launch(nproc: int, seq_len: int, *options: str, timeout: float = 600.0) -> list[dict]:
+    """Run ``python -m labkit cp-train`` with ``nproc`` processes (1: ``--single``); its rows per rank.
+
+    ``options`` are further command-line flags (e.g. ``"--checkpointing"``). The output streams to
+    this process's stdout. Raises RuntimeError if the command fails.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        mode = ["--single"] if nproc == 1 else ["--nproc", str(nproc)]
+        cmd = [sys.executable, "-m", "labkit", "cp-train", "--seq-len", str(seq_len), *mode, *options,
+               "--json", str(out)]
+        done = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        print(done.stdout[-4000:], done.stderr[-2000:] if done.returncode else "", sep="\n")
+        if not out.exists():
+            raise RuntimeError(f"cp-train exited with status {done.returncode} without a result.")
+        return json.loads(out.read_text())
+
+
+def _sdpa_fwd_bwd(q, k, v, do) -> list[torch.Tensor]:
+    """[o, dq, dk, dv] of causal SDPA; q, k, v, do [1, H, n, D] plain tensors (leaves made here)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o.backward(do)
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+def check_attention(mesh, device: torch.device, n: int, *, heads: int = 12, dim: int = 64, seed: int = 0) -> dict:
+    """Context-parallel causal SDPA (bf16) vs one GPU: max abs error of o, dq, dk, dv against fp32.
+
+    Every rank computes the single-GPU results on the whole sequence; the inputs and those results
+    are then sharded as buffers of one context (so the shards line up), and the ring's results are
+    compared shard by shard (max over ranks).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(1, heads, n, dim, generator=gen).to(device) for _ in range(4)]  # q, k, v, do (fp32)
+    ref = _sdpa_fwd_bwd(*full)
+    low = [t.bfloat16() for t in full]
+    base = _sdpa_fwd_bwd(*low)
+    buffers = [t.clone() for t in low + ref + base]
+    with cptrain.sharded(mesh, buffers, seq_dim=2):
+        ring = _sdpa_fwd_bwd(*buffers[:4])
+    names, out = ("o", "dq", "dk", "dv"), {}
+    for name, r, ref_s, base_s in zip(names, ring, buffers[4:8], buffers[8:]):
+        errs = torch.stack([(r.float() - ref_s).abs().max(), (base_s.float() - ref_s).abs().max()])
+        dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        out[name] = dict(cp_err=errs[0].item(), single_bf16_err=errs[1].item(), ok=bool(errs[0] <= 2 * errs[1]))
+    return out
+
+
+def check_step(args, mesh, device: torch.device) -> dict:
+    """One GPT-2 step (forward and backward) on ``args.seq_len`` tokens: fp32 and bf16 on one GPU,
+    bf16 under context parallelism; loss and gradients (relative L2 over all parameters) vs fp32."""
+    n = args.seq_len
+    model = cptrain.build_model(args.size, n, device, checkpointing=args.checkpointing, chunked_mlp=args.chunked_mlp,
+                                local_tokens=-(-n // mesh.size()), seed=args.seed)
+    batch, runs = cptrain.make_batch(n, model.config.vocab_size, device, args.seed), {}
+    for name, cp, dtype in (("fp32", None, torch.float32), ("single", None, torch.bfloat16),
+                            ("cp", mesh, torch.bfloat16)):
+        loss = cptrain.loss_and_grads(model, batch, cp, chunk_size=args.chunk_size, dtype=dtype)
+        runs[name] = loss, torch.cat([p.grad.flatten().float() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    (ref, g_ref), (single, g_single), (cp, g_cp) = runs["fp32"], runs["single"], runs["cp"]
+    grad_err = [((g - g_ref).norm() / g_ref.norm()).item() for g in (g_cp, g_single)]
+    return dict(loss_fp32=ref, loss_single_bf16=single, loss_cp_bf16=cp,
+                loss_ok=abs(cp - ref) <= 2 * abs(single - ref) + 1e-3 * abs(ref),
+                grad_rel_err_cp=grad_err[0], grad_rel_err_single_bf16=grad_err[1], grad_ok=grad_err[0] <= 2 * grad_err[1])
+
+
+def check(args, mesh, device: torch.device) -> dict:
+    """``--check``: :func:`check_attention` and :func:`check_step` at ``args.seq_len``; ``ok`` if all pass."""
+    if mesh is None:
+        raise SystemExit("cp-train --check compares context parallelism with one GPU: run it with --nproc >= 2.")
+    attention, step = check_attention(mesh, device, args.seq_len, seed=args.seed), check_step(args, mesh, device)
+    ok = all(v["ok"] for v in attention.values()) and step["loss_ok"] and step["grad_ok"]
+    return dict(rank=dist.get_rank(), world=mesh.size(), N=args.seq_len, attention=attention, step=step, ok=ok)

@@ -1,0 +1,167 @@
+"""GPT-2 training on one long sequence across P GPUs, on PyTorch's context parallelism.
+
+``torch.distributed.tensor.experimental.context_parallel`` shards the step's buffers along the
+sequence (head-tail order, which balances the causal work) and replaces SDPA by ring attention
+over the mesh. What the model must do for it (found on PyTorch 2.11, 2x H200):
+
+- attention reaches ``F.scaled_dot_product_attention`` as ``is_causal=True`` with no mask tensor
+  (a full-length mask cannot be sharded): :func:`cp_attention`, registered as :data:`ATTN_NAME`
+  with a mask function that returns None;
+- the token ids, the position ids and the labels (shifted before sharding) are the buffers, so
+  each shard keeps its global positions and next tokens; sharding is in place, on plain tensors
+  (tensors that require grad cannot be resized: make leaves inside the context);
+- each rank's loss is the sum over its tokens divided by the global count (the chunked loss of
+  ``lk.levers.lm_loss``), and gradients are summed across ranks before the optimizer step: the
+  result is the gradient of the global mean, as on one GPU.
+
+:func:`train` runs the measured steps, :func:`check` compares against one GPU, :func:`main` is
+``python -m labkit cp-train`` (it starts itself under ``torchrun`` for ``--nproc`` > 1; see
+:mod:`labkit.cprun`). Context parallelism runs on CUDA only (torch's ring handles SDPA's CUDA
+kernels); on a CPU, ``--single`` runs the same step in one process.
+
+Used in: 07_context_parallel.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import cpmem, gpt2, levers, longmem
+
+ATTN_NAME = "labkit_cp"
+MLP_CHUNKS = 16  # --chunked-mlp: positions per chunk = ceil(local tokens / MLP_CHUNKS)
+
+
+def cp_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                 **kwargs):
+    """Causal attention through ``F.scaled_dot_product_attention`` (looked up at call time, so
+    context parallelism's ring replaces it), for transformers' AttentionInterface.
+
+    Args:
+        query, key, value: [B, H, n, D] (n: this rank's tokens under context parallelism).
+
+    Returns:
+        (out [B, n, H, D], None).
+    """
+    if attention_mask is not None or dropout:
+        raise ValueError(f"'{ATTN_NAME}' takes unpadded causal input without dropout.")
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+    """The mask function of :data:`ATTN_NAME`: causal is SDPA's ``is_causal``, never a tensor.
+
+    It also overrides transformers' guess that the shards' non-contiguous position ids (e.g. 0-3
+    and 12-15) are packed sequences. Padding cannot be expressed this way, so it is refused.
+    """
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(f"'{ATTN_NAME}' takes unpadded causal input: drop the padding mask.")
+    return None
+
+
+def build_model(size: str, n: int, device: torch.device, *, checkpointing: bool, chunked_mlp: bool,
+                local_tokens: int, seed: int = 0):
+    """GPT-2 ``size`` (random init, ``n`` learned positions) in training mode on :func:`cp_attention`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, cp_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    model = gpt2.build_model(size, attn_implementation="sdpa", device=device, seed=seed,
+                             n_positions=max(n, gpt2.SIZES[size]["n_positions"]))
+    model.set_attn_implementation(ATTN_NAME)
+    model.train().config.use_cache = False
+    if checkpointing:
+        gpt2.enable_checkpointing(model)
+    if chunked_mlp:
+        levers.chunk_mlp(model, -(-local_tokens // MLP_CHUNKS))
+    return model
+
+
+def make_batch(n: int, vocab: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    """[ids, position ids, labels], each int64 [1, n]: random tokens, 0..n-1, the next token (-100 last)."""
+    ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+    labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+    return [ids, torch.arange(n, device=device)[None], labels]
+
+
+def sharded(mesh, buffers: list[torch.Tensor], seq_dim: int = 1):
+    """context_parallel over ``mesh``, sharding ``buffers`` (plain tensors) in place along ``seq_dim``
+    and not restoring them; nothing when mesh is None."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.experimental import context_parallel
+
+    return context_parallel(mesh, buffers=buffers, buffer_seq_dims=[seq_dim] * len(buffers),
+                            no_restore_buffers=set(buffers))
+
+
+def loss_and_grads(model, batch: list[torch.Tensor], mesh, *, chunk_size: int, dtype: torch.dtype) -> float:
+    """Forward and backward of one step on ``batch`` (see :func:`make_batch`); returns the global mean loss.
+
+    Under ``mesh`` (context parallelism) each rank holds its shard; the parameters' ``.grad``
+    afterwards hold the gradient of the global mean on every rank.
+    """
+    ids, positions, labels = (t.clone() for t in batch)  # sharded in place: keep the caller's batch whole
+    count = (labels != -100).sum()
+    device = ids.device.type
+    with sharded(mesh, [ids, positions, labels]):
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            mean = levers.lm_loss(model, ids, chunk_size=chunk_size, position_ids=positions, targets=labels)
+        loss = mean * (labels != -100).sum() / count  # this rank's share of the global mean
+        loss.backward()
+    loss = loss.detach()
+    if mesh is not None:
+        group = mesh.get_group()
+        works = [dist.all_reduce(p.grad, group=group, async_op=True) for p in model.parameters() if p.grad is not None]
+        works.append(dist.all_reduce(loss, group=group, async_op=True))
+        for work in works:
+            work.wait()
+    return loss.item()
+
+
+def train(args, mesh, device: torch.device) -> dict:
+    """``args.steps`` AdamW steps on one sequence of ``args.seq_len`` tokens; the last one is timed.
+
+    Returns:
+        dict for this rank: rank, world, N, local_tokens, losses, step_s, tokens_per_s (global tokens
+        of the timed step), peak_gib (CUDA; NaN on CPU) and predicted_gib (``lk.cpmem``).
+    """
+    world = mesh.size() if mesh is not None else 1
+    local = -(-args.seq_len // world)
+    model = build_model(args.size, args.seq_len, device, checkpointing=args.checkpointing,
+                        chunked_mlp=args.chunked_mlp, local_tokens=local, seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    batch, losses, step_s = make_batch(args.seq_len, model.config.vocab_size, device, args.seed), [], float("nan")
+    for step in range(args.steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        losses.append(loss_and_grads(model, batch, mesh, chunk_size=args.chunk_size, dtype=_dtype(device)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_s = time.perf_counter() - t0
+    shape = longmem.model_shape(model.config)
+    predicted = cpmem.cp_memory(shape, seq_len=args.seq_len, world=world, checkpointing=args.checkpointing,
+                                chunk_size=args.chunk_size, chunked_mlp=args.chunked_mlp)["total"]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return dict(rank=dist.get_rank() if mesh is not None else 0, world=world, N=args.seq_len, local_tokens=local,
+                losses=losses, step_s=step_s, tokens_per_s=args.seq_len / step_s, peak_gib=peak,
+                predicted_gib=predicted / 2**30, checkpointing=args.checkpointing, chunked_mlp=args.chunked_mlp,
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+__all__ = ["ATTN_NAME", "MLP_CHUNKS", "build_model", "cp_attention", "loss_and_grads", "make_batch", "sharded", "train"]

@@ -1,0 +1,159 @@
+"""labkit.cptrain and labkit.cprun (``python -m labkit cp-train``).
+
+PyTorch's context parallelism runs SDPA's CUDA kernels only: on a CPU these tests check the step
+in one process, the attention contract context parallelism needs (SDPA with ``is_causal=True``
+and no mask), the buffers torch shards in place (2 gloo processes) and the command line. The
+``gpu`` tests launch torchrun on 2 GPUs.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit import cptrain, levers
+from labkit.ringproc import _free_port
+
+ENV = {**os.environ, "LABKIT_PROFILE": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def tiny(n: int = 64, **kwargs):
+    opts = dict(checkpointing=False, chunked_mlp=False, local_tokens=n) | kwargs
+    return cptrain.build_model("tiny", n, torch.device("cpu"), **opts)
+
+
+def test_batch_labels_are_next_tokens():
+    ids, positions, labels = cptrain.make_batch(10, 256, torch.device("cpu"), seed=1)
+    assert ids.shape == positions.shape == labels.shape == (1, 10)
+    assert positions.tolist() == [list(range(10))]
+    assert labels[0, :-1].tolist() == ids[0, 1:].tolist() and labels[0, -1] == -100
+
+
+def test_attention_reaches_sdpa_causal_without_mask(monkeypatch):
+    """Context parallelism shards SDPA only when it gets is_causal=True and no mask tensor."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        calls.append(dict(mask=attn_mask, **kwargs))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    model, ids = tiny(), torch.randint(0, 256, (1, 64))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)  # looked up at call time, as CP patches it
+    logits = model(input_ids=ids, position_ids=torch.arange(64)[None]).logits
+    assert len(calls) == model.config.n_layer
+    assert all(c["mask"] is None and c["is_causal"] is True for c in calls)
+    monkeypatch.undo()
+    reference = cptrain.gpt2.build_model("tiny", attn_implementation="eager", n_positions=512)
+    torch.testing.assert_close(logits, reference(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_refuses_a_mask():
+    model = tiny()
+    with pytest.raises(ValueError, match="unpadded"):
+        model(input_ids=torch.randint(0, 256, (2, 8)), attention_mask=torch.tensor([[1] * 8, [0] + [1] * 7]))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_single_step_equals_lm_loss(checkpointing):
+    """One process: the step's loss and gradients are lm_loss's (global mean over N-1 targets)."""
+    model = tiny(checkpointing=checkpointing)
+    batch = cptrain.make_batch(64, 256, torch.device("cpu"))
+    loss = cptrain.loss_and_grads(model, batch, None, chunk_size=16, dtype=torch.float32)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    ref = levers.lm_loss(model, batch[0], chunk_size=16)
+    ref.backward()
+    assert loss == pytest.approx(ref.item(), rel=1e-6)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    assert batch[0].shape == (1, 64)  # the caller's batch stays whole
+
+
+def _shard_worker(rank: int, port: int, conn) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    batch = cptrain.make_batch(16, 256, torch.device("cpu"), seed=3)
+    buffers = [t.clone() for t in batch]
+    with cptrain.sharded(init_device_mesh("cpu", (2,)), buffers):
+        conn.send([t.tolist() for t in buffers])
+    dist.destroy_process_group()
+    conn.close()
+    os._exit(0)
+
+
+def test_sharded_buffers_keep_positions_and_labels_aligned():
+    """torch shards ids, positions and labels alike (head-tail): every shard keeps global positions
+    and each label is the token after its position."""
+    ctx, port = mp.get_context("fork"), _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_shard_worker, args=(r, port, pipes[r][1])) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    shards = [pipe[0].recv() if pipe[0].poll(60) else None for pipe in pipes]
+    for proc in procs:
+        proc.join(10)
+    ids = cptrain.make_batch(16, 256, torch.device("cpu"), seed=3)[0][0].tolist()
+    assert [s[1][0] for s in shards] == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    for s_ids, s_pos, s_labels in shards:
+        assert s_ids[0] == [ids[p] for p in s_pos[0]]
+        assert s_labels[0] == [ids[p + 1] if p + 1 < 16 else -100 for p in s_pos[0]]
+
+
+def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "labkit", "cp-train", *args], env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_single_on_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    done = run_cli("--single", "--size", "tiny", "--seq-len", "256", "--checkpointing", "--chunk-size", "64",
+                   "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["world"] == 1 and row["N"] == 256 and len(row["losses"]) == 2
+    assert row["losses"][1] < row["losses"][0]  # the first AdamW step lowered the loss on this sequence
+    assert "tokens/s=" in done.stdout and row["predicted_gib"] > 0
+
+
+def test_cli_context_parallel_on_cpu_says_cuda_is_needed():
+    done = run_cli("--nproc", "2", "--size", "tiny", "--seq-len", "256")
+    assert done.returncode != 0
+    assert "needs CUDA GPUs" in done.stdout + done.stderr
+
+
+def _two_gpus() -> bool:
+    return torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
+def test_check_on_two_gpus(tmp_path):
+    """Context-parallel attention (forward, gradients) and a GPT-2 small step equal one GPU's (2x rule)."""
+    out = tmp_path / "check.json"
+    done = run_cli("--nproc", "2", "--seq-len", "16384", "--check", "--json", str(out), timeout=600)
+    rows = json.loads(out.read_text())
+    assert done.returncode == 0 and all(r["ok"] for r in rows), json.dumps(rows, indent=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
+def test_two_gpus_train_with_one_gpus_loss(tmp_path):
+    rows = {}
+    for mode in (["--single"], ["--nproc", "2"]):
+        out = tmp_path / f"{len(mode)}.json"
+        done = run_cli(*mode, "--seq-len", "32768", "--checkpointing", "--json", str(out), timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows[len(mode)] = json.loads(out.read_text())
+    single, cp = rows[1][0], rows[2]
+    assert [r["rank"] for r in cp] == [0, 1] and cp[0]["local_tokens"] == 16384
+    assert cp[0]["losses"][0] == pytest.approx(single["losses"][0], rel=2e-3)
+    assert all(r["peak_gib"] < single["peak_gib"] for r in cp)
