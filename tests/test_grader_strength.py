@@ -23,6 +23,7 @@ SETUP = {
     "03_long_sequence_training": ["P = lk.profiles.choose(", "COEF = lk.perfmodel.MemoryCoefficients()"],
     "04_performance_analysis": ["P = lk.profiles.choose(", "ridge = peak_tflops", "sweep = lk.predictor.time_grid("],
     "05_precision_analysis": ["P = lk.profiles.choose("],
+    "07_context_parallel": ["P = lk.profiles.choose("],
 }
 
 # assignment -> grade_id -> [(what the mistake is, text in the answer, replacement)]
@@ -176,6 +177,21 @@ MUTANTS = {
             ("fp32 FlashAttention accepted", 'if amp_dtype not in (torch.float16, torch.bfloat16):', "if False:"),
             ("linear in fp32", "return amp_dtype                       # tensor cores",
              "return torch.float32                       # tensor cores"),
+        ],
+    },
+    "07_context_parallel": {
+        "ex1_merge": [
+            ("plain average, no rescale", "o = w1 * o1.to(acc) + w2 * o2.to(acc)", "o = 0.5 * (o1.to(acc) + o2.to(acc))"),
+            ("max instead of logaddexp", "lse = torch.logaddexp(lse1, lse2)", "lse = torch.maximum(lse1, lse2)"),
+            ("exp of lse overflows", "lse = torch.logaddexp(lse1, lse2)", "lse = torch.log(torch.exp(lse1) + torch.exp(lse2))"),
+            ("-inf - -inf trap", "shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)", "shift = lse"),
+            ("lse in o's dtype", "return o.to(o1.dtype), lse", "return o.to(o1.dtype), lse.to(o1.dtype)"),
+        ],
+        "ex2_zigzag": [
+            ("round-robin instead of head-tail", "[[i, 2 * P - 1 - i] for i in range(P)]", "[[i, i + P] for i in range(P)]"),
+            ("tail off by one", "[[i, 2 * P - 1 - i] for i in range(P)]", "[[i, 2 * P - i] for i in range(P)]"),
+            ("diagonal block counted whole", "c * m * m + m * (m + 1) // 2", "(c + 1) * m * m"),
+            ("diagonal itself left out", "m * (m + 1) // 2", "m * (m - 1) // 2"),
         ],
     },
 }
