@@ -1,0 +1,162 @@
+"""Triton's execution mode here: the interpreter on a CPU, compiled kernels on a GPU.
+
+Triton decides at decoration time: ``@triton.jit`` builds an interpreted function when
+``TRITON_INTERPRET=1`` is in the environment, a compiled one otherwise, and triton's own library
+functions are decorated when triton is first imported. So ``import labkit`` sets the switch from the
+device (:func:`apply_default`: the interpreter when there is no CUDA device), before anything
+imports triton, and a notebook calls :func:`setup` to check it. The same kernel source then runs on
+CPU tensors through numpy (grading, CI, laptops) and on CUDA tensors as GPU code; :func:`device` is
+where the kernels' tensors must live.
+
+Two probes serve the tests of a student's kernels:
+
+- :func:`launches` counts the kernel launches of functions defined in the notebook (``__main__``),
+  so an answer that never launches a Triton kernel (PyTorch only) is caught.
+- :func:`loaded_elements` counts the elements the interpreter loads, so skipping work (a causal
+  tile skipped, not just masked) is visible on a CPU.
+
+    mode = lk.tritonmode.setup()          # "interpreter" or "compiled"; import triton after it
+    with lk.tritonmode.launches() as n:
+        kernel[grid](...)
+    n["kernel"]                           # 1
+
+Used in: 06_triton_flashattention.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+def apply_default() -> None:
+    """Set ``TRITON_INTERPRET=1`` when no CUDA device is here and the variable is unset.
+
+    Called by ``import labkit`` before anything imports triton: Triton decorates its own
+    library functions (``tl.sum``, ``tl.max``, ...) in the mode set when triton is first imported,
+    and ``torch._dynamo`` imports triton. A GPU machine is left as it is (compiled kernels).
+    """
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def setup() -> str:
+    """Import triton in this process's mode and check that its library was decorated in that mode.
+
+    Returns:
+        "interpreter" or "compiled".
+
+    Raises:
+        RuntimeError: triton was imported before the mode was set (restart the kernel and import
+            labkit first), or compiled kernels were asked for without a CUDA device.
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    mode = current()
+    if isinstance(tl.standard.sum, InterpretedFunction) != (mode == "interpreter"):
+        raise RuntimeError(f"triton was imported before TRITON_INTERPRET was set for the {mode} mode; restart "
+                           "the kernel and run `import labkit` before importing triton (or torch._dynamo).")
+    if mode == "compiled" and not torch.cuda.is_available():
+        raise RuntimeError("compiled Triton kernels need a CUDA GPU; unset TRITON_INTERPRET=0 to use the interpreter.")
+    if mode == "interpreter":
+        _patch_bf16_dot()
+    return mode
+
+
+def _patch_bf16_dot() -> None:
+    """Make the interpreter's ``tl.dot`` read bf16 operands as numbers.
+
+    triton 3.9's interpreter keeps bf16 tensors as their raw uint16 bits and ``create_dot``
+    multiplies those bits as integers (it widens only fp8). Widen bf16 to fp32 first: exact, and
+    what the tensor cores do (bf16 products accumulated in fp32). Idempotent.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    original = InterpreterBuilder.create_dot
+    if getattr(original, "_labkit_bf16", False):
+        return
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        return original(self, widen(a), widen(b), d, *args, **kwargs)
+
+    create_dot._labkit_bf16 = True
+    InterpreterBuilder.create_dot = create_dot
+
+
+def current() -> str:
+    """The mode ``@triton.jit`` uses now: "interpreter" or "compiled"."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+    return "interpreter" if interpret else "compiled"
+
+
+def device() -> torch.device:
+    """Where the kernels' tensors live: CPU tensors for the interpreter, the CUDA device otherwise."""
+    return torch.device("cpu" if current() == "interpreter" else "cuda")
+
+
+def pick(*, compiled, interpreter):
+    """``compiled`` or ``interpreter`` by the mode (e.g. autotuning configs: several on a GPU, one small one on a CPU)."""
+    return interpreter if current() == "interpreter" else compiled
+
+
+@contextlib.contextmanager
+def launches(module: str = "__main__") -> Iterator[collections.Counter]:
+    """Count launches of Triton kernels defined in ``module`` (a notebook: "__main__"), by kernel name.
+
+    Autotuned and heuristics-wrapped kernels count once per launch of the kernel they wrap
+    (autotuning's trial runs count too).
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    counts: collections.Counter = collections.Counter()
+    originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
+
+    def counting(original):
+        def run(self, *args, **kwargs):
+            if getattr(self.fn, "__module__", None) == module and not kwargs.get("warmup"):
+                counts[self.fn.__name__] += 1
+            return original(self, *args, **kwargs)
+        return run
+
+    for cls, original in originals.items():
+        cls.run = counting(original)
+    try:
+        yield counts
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+
+
+@contextlib.contextmanager
+def loaded_elements() -> Iterator[collections.Counter]:
+    """Count the elements the interpreter loads (masked-off lanes excluded): ``counts["elements"]``.
+
+    Only the interpreter can count (compiled kernels run on the GPU); raises in the compiled mode.
+    """
+    if current() != "interpreter":
+        raise RuntimeError("loaded_elements() counts the interpreter's loads; set TRITON_INTERPRET=1.")
+    from triton.runtime.interpreter import interpreter_builder
+
+    counts: collections.Counter = collections.Counter()
+    original = interpreter_builder.create_masked_load
+
+    def masked_load(ptrs, mask, *args, **kwargs):
+        counts["elements"] += int(mask.data.sum())
+        return original(ptrs, mask, *args, **kwargs)
+
+    interpreter_builder.create_masked_load = masked_load
+    try:
+        yield counts
+    finally:
+        del interpreter_builder.create_masked_load  # the class's method again
