@@ -190,8 +190,13 @@ MUTANTS = {
         "ex2_zigzag": [
             ("round-robin instead of head-tail", "[[i, 2 * P - 1 - i] for i in range(P)]", "[[i, i + P] for i in range(P)]"),
             ("tail off by one", "[[i, 2 * P - 1 - i] for i in range(P)]", "[[i, 2 * P - i] for i in range(P)]"),
+            ("tail hard-coded from P = 2", "[[i, 2 * P - 1 - i] for i in range(P)]", "[[i, 3 - i] for i in range(P)]"),
+        ],
+        "ex3_causal_work": [
             ("diagonal block counted whole", "c * m * m + m * (m + 1) // 2", "(c + 1) * m * m"),
             ("diagonal itself left out", "m * (m + 1) // 2", "m * (m - 1) // 2"),
+            ("true division: a float", "m * (m + 1) // 2", "m * (m + 1) / 2"),
+            ("chunk index ignored", "for c in chunks)", "for c in range(len(chunks)))"),
         ],
     },
 }
