@@ -19,6 +19,7 @@ Used in: 07_context_parallel.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -47,16 +48,17 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_star
     Returns:
         (o [B, H, n, D] in q's dtype, lse [B, H, n] in the accumulation dtype).
     """
-    acc = torch.promote_types(q.dtype, torch.float32)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale  # [B, H, n, m]
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    s = torch.einsum("bhnd,bhmd->bhnm", q.to(work), k.to(work)) * scale  # [B, H, n, m]
     if causal:
         qi = torch.arange(q_start, q_start + q.shape[-2], device=q.device)[:, None]
         kj = torch.arange(k_start, k_start + k.shape[-2], device=q.device)[None, :]
         s = s.masked_fill(kj > qi, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [B, H, n]
-    p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])
-    return (p @ v.to(acc)).to(q.dtype), lse
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # an empty row: 0, not NaN
+    o = torch.einsum("bhnm,bhmd->bhnd", p, v.to(work))
+    return o.to(q.dtype), torch.logsumexp(s, dim=-1)
 
 
 def _ring_step(state, q, q_start, k, v, k_start, merge: Merge, causal: bool):
