@@ -105,7 +105,7 @@ def device() -> torch.device:
 
 
 def pick(*, compiled, interpreter):
-    """``compiled`` or ``interpreter`` by the mode (e.g. autotuning configs: several on a GPU, one small one on a CPU)."""
+    """``compiled`` or ``interpreter`` by the mode (e.g. autotuning configs: several on a GPU, one on a CPU)."""
     return interpreter if current() == "interpreter" else compiled
 
 

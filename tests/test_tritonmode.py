@@ -1,0 +1,108 @@
+"""labkit.tritonmode: the interpreter switch, the bf16 dot fix, the launch and load counters."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import labkit as lk  # before triton: sets TRITON_INTERPRET=1 here (no CUDA in CI)
+
+MODE = lk.tritonmode.setup()
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+pytestmark = pytest.mark.skipif(MODE != "interpreter", reason="the counters and the bf16 fix are the interpreter's")
+
+
+@triton.jit
+def _add(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+    tl.store(out_ptr + offs, x + tl.load(y_ptr + offs, mask=inside, other=0.0), mask=inside)
+
+
+@triton.jit
+def _matmul(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    """c [M, N] fp32 = a [M, K] @ b [K, N], one program (all sizes powers of 2 >= 16)."""
+    rm, rk, rn = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    a = tl.load(a_ptr + rm[:, None] * K + rk[None, :])
+    b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], tl.dot(a, b))
+
+
+def _launch_add(n: int = 1000, block: int = 256):
+    x, y = torch.randn(n), torch.randn(n)
+    out = torch.empty_like(x)
+    _add[(triton.cdiv(n, block),)](x, y, out, n, BLOCK=block)
+    return x, y, out
+
+
+def test_setup_reports_the_interpreter_and_kernels_run_on_cpu_tensors():
+    assert lk.tritonmode.current() == "interpreter" and lk.tritonmode.device() == torch.device("cpu")
+    x, y, out = _launch_add()
+    assert torch.equal(out, x + y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dot_multiplies_numbers_in_every_dtype(dtype):
+    a, b = torch.randn(16, 32).to(dtype), torch.randn(32, 16).to(dtype)
+    c = torch.empty(16, 16)
+    _matmul[(1,)](a, b, c, 16, 32, 16)
+    torch.testing.assert_close(c, a.float() @ b.float(), rtol=1e-5, atol=1e-5)  # exact products, fp32 sums
+
+
+def test_launches_counts_kernels_of_the_given_module_only():
+    with lk.tritonmode.launches(module=__name__) as mine, lk.tritonmode.launches() as main:
+        _launch_add()
+        _launch_add()
+    assert mine == {"_add": 2} and main == {}
+    with lk.tritonmode.launches(module=__name__) as after:
+        pass
+    _launch_add()
+    assert after == {}                                     # counting stops with the block
+
+
+def test_loaded_elements_counts_unmasked_lanes():
+    with lk.tritonmode.loaded_elements() as count:
+        _launch_add(n=1000, block=256)                     # 4 programs x 256 lanes, 1000 inside, x and y
+    assert count["elements"] == 2000
+    with lk.tritonmode.loaded_elements() as later:
+        pass
+    _launch_add()
+    assert later["elements"] == 0
+
+
+def test_pick_follows_the_mode(monkeypatch):
+    assert lk.tritonmode.pick(compiled="gpu", interpreter="cpu") == "cpu"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert lk.tritonmode.pick(compiled="gpu", interpreter="cpu") == "gpu"
+    with pytest.raises(RuntimeError, match="loaded_elements"):
+        with lk.tritonmode.loaded_elements():
+            pass
+
+
+def test_setup_refuses_a_mode_triton_was_not_imported_in(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")             # triton's library here is interpreted
+    with pytest.raises(RuntimeError, match="restart"):
+        lk.tritonmode.setup()
+
+
+def test_apply_default_sets_the_interpreter_without_cuda_and_respects_a_choice(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    lk.tritonmode.apply_default()
+    assert lk.tritonmode.current() == "interpreter"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    lk.tritonmode.apply_default()
+    assert lk.tritonmode.current() == "compiled"
+
+
+def test_triton_imported_before_labkit_is_reported():
+    code = "import triton, labkit as lk\nlk.tritonmode.setup()"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode != 0 and "import labkit" in run.stderr
