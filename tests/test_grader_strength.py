@@ -23,6 +23,7 @@ SETUP = {
     "03_long_sequence_training": ["P = lk.profiles.choose(", "COEF = lk.perfmodel.MemoryCoefficients()"],
     "04_performance_analysis": ["P = lk.profiles.choose(", "ridge = peak_tflops", "sweep = lk.predictor.time_grid("],
     "05_precision_analysis": ["P = lk.profiles.choose("],
+    "06_triton_flashattention": ["MODE = lk.tritonmode.setup()"],
     "07_context_parallel": ["P = lk.profiles.choose("],
 }
 
@@ -197,6 +198,51 @@ MUTANTS = {
             ("diagonal itself left out", "m * (m + 1) // 2", "m * (m - 1) // 2"),
             ("true division: a float", "m * (m + 1) // 2", "m * (m + 1) / 2"),
             ("chunk index ignored", "for c in chunks)", "for c in range(len(chunks)))"),
+        ],
+    },
+    "06_triton_flashattention": {
+        "ex1_softmax": [
+            ("no max subtraction", "x = x - tl.max(x, axis=0)", "x = x - 0.0"),
+            ("tail padded with 0", 'other=float("-inf")).to(tl.float32)', "other=0.0).to(tl.float32)"),
+            ("PyTorch only",
+             "softmax_kernel[(x2.shape[0],)](x2, y, x2.shape[1], BLOCK=triton.next_power_of_2(x2.shape[1]))",
+             "y = torch.softmax(x2.float(), dim=-1).to(x2.dtype)"),
+        ],
+        "ex2_flash_forward": [
+            ("causal tiles masked, not skipped", "hi = tl.minimum(N_K, start_m + BLOCK_M + shift)",
+             "hi = N_K + 0 * shift"),
+            ("missing rescale of acc", "acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot("),
+            ("causal mask aligned top-left", "keep = keep & (offs_n[None, :] <= offs_m[:, None] + (N_K - N_Q))",
+             "keep = keep & (offs_n[None, :] <= offs_m[:, None])"),
+            ("NaN on a row that sees no key", "l_safe = tl.where(l_i == 0.0, 1.0, l_i)", "l_safe = l_i"),
+            ("lse left in log2 units", "* 0.6931471805599453)  # natural log", ")  # natural log"),
+            ("exp with a log2-scaled score", "p = tl.math.exp2(s - m_new[:, None])", "p = tl.exp(s - m_new[:, None])"),
+            ("PyTorch only", "_fwd_kernel[grid](q3, k3, v3, o, lse, d ** -0.5 * LOG2E,",
+             "o_, lse_ = lk.attention.reference_attention(q3, k3, v3, causal=is_causal); o.copy_(o_); lse.copy_(lse_)\n"
+             "    (lambda *a, **kw: None)(q3, k3, v3, o, lse, d ** -0.5 * LOG2E,"),
+        ],
+        "ex3_flash_backward": [
+            ("missing D term in dS", "dst = pt * (dpt - delta[None, :])", "dst = pt * dpt"),
+            ("dk without scale", "(dk * sm_scale).to(", "dk.to("),
+            ("dK/dV causal mask aligned top-left",
+             "pt = tl.where(offs_n[:, None] <= offs_m[None, :] + (N_K - N_Q), pt, 0.0)",
+             "pt = tl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)"),
+            ("D without O", "tl.sum(o * do, axis=1)", "tl.sum(do, axis=1)"),
+        ],
+        "ex4_flash_function": [
+            ("causal flag lost for backward", "ctx.is_causal = is_causal", "ctx.is_causal = False"),
+            ("forward ignores is_causal", "flash_attention_forward(q, k, v, is_causal=is_causal)",
+             "flash_attention_forward(q, k, v)"),
+            ("output upcast to fp32", "        return o\n", "        return o.float()\n"),
+        ],
+        "ex5_gqa_window": [
+            ("K/V head by modulo", "kv = bh // GROUP", "kv = bh % (tl.num_programs(1) // GROUP)"),
+            ("K/V repeated in memory", "    q3, k3, v3 = _as_heads(q), _as_heads(k), _as_heads(v)\n",
+             "    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)\n    hkv = hq\n"
+             "    q3, k3, v3 = _as_heads(q), _as_heads(k), _as_heads(v)\n"),
+            ("window tiles not skipped", "lo = tl.maximum(start_m + (N_K - N_Q) - WINDOW, 0) // BLOCK_N * BLOCK_N",
+             "lo = 0 * WINDOW"),
+            ("NaN on a row that sees no key", "l_safe = tl.where(l_i == 0.0, 1.0, l_i)", "l_safe = l_i"),
         ],
     },
 }
