@@ -242,7 +242,8 @@ MUTANTS = {
              "    q3, k3, v3 = _as_heads(q), _as_heads(k), _as_heads(v)\n"),
             ("window tiles not skipped", "lo = tl.maximum(start_m + (N_K - N_Q) - WINDOW, 0) // BLOCK_N * BLOCK_N",
              "lo = 0 * WINDOW"),
-            ("NaN on a row that sees no key", "l_safe = tl.where(l_i == 0.0, 1.0, l_i)", "l_safe = l_i"),
+            ("right side of a non-causal window ignored", "right = 0 if CAUSAL else WINDOW",
+             "right = 0 if CAUSAL else N_K"),
         ],
     },
 }
