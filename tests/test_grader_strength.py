@@ -211,12 +211,13 @@ MUTANTS = {
         "ex2_flash_forward": [
             ("causal tiles masked, not skipped", "hi = tl.minimum(N_K, start_m + BLOCK_M + shift)",
              "hi = N_K + 0 * shift"),
-            ("missing rescale of acc", "acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot("),
+            ("missing rescale of acc", "    acc = acc * alpha[:, None]\n", ""),
             ("causal mask aligned top-left", "keep = keep & (offs_n[None, :] <= offs_m[:, None] + (N_K - N_Q))",
              "keep = keep & (offs_n[None, :] <= offs_m[:, None])"),
             ("NaN on a row that sees no key", "l_safe = tl.where(l_i == 0.0, 1.0, l_i)", "l_safe = l_i"),
             ("lse left in log2 units", "* 0.6931471805599453)  # natural log", ")  # natural log"),
-            ("exp with a log2-scaled score", "p = tl.math.exp2(s - m_new[:, None])", "p = tl.exp(s - m_new[:, None])"),
+            ("exp with a log2-scaled score", "p = tl.math.exp2(s * qk_scale - m_new[:, None])",
+             "p = tl.exp(s * qk_scale - m_new[:, None])"),
             ("PyTorch only", "_fwd_kernel[grid](q3, k3, v3, o, lse, d ** -0.5 * LOG2E,",
              "o_, lse_ = lk.attention.reference_attention(q3, k3, v3, causal=is_causal); o.copy_(o_); lse.copy_(lse_)\n"
              "    (lambda *a, **kw: None)(q3, k3, v3, o, lse, d ** -0.5 * LOG2E,"),
