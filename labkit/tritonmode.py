@@ -104,9 +104,22 @@ def device() -> torch.device:
     return torch.device("cpu" if current() == "interpreter" else "cuda")
 
 
-def pick(*, compiled, interpreter):
-    """``compiled`` or ``interpreter`` by the mode (e.g. autotuning configs: several on a GPU, one on a CPU)."""
-    return interpreter if current() == "interpreter" else compiled
+def tile_configs(compiled: list[tuple[int, int, int, int]], *, interpreter: tuple[int, int]) -> list:
+    """Autotuning configs over ``BLOCK_M`` and ``BLOCK_N`` for this mode.
+
+    Args:
+        compiled: (BLOCK_M, BLOCK_N, num_warps, num_stages) per candidate, used on a GPU.
+        interpreter: (BLOCK_M, BLOCK_N) of the one config used by the interpreter (there is no
+            speed to tune there, and the autotuner would run the kernel once per config).
+
+    Returns:
+        A list of ``triton.Config`` for ``@triton.autotune(configs=...)``.
+    """
+    import triton
+
+    if current() == "interpreter":
+        return [triton.Config({"BLOCK_M": interpreter[0], "BLOCK_N": interpreter[1]})]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in compiled]
 
 
 @contextlib.contextmanager

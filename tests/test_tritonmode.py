@@ -76,10 +76,13 @@ def test_loaded_elements_counts_unmasked_lanes():
     assert later["elements"] == 0
 
 
-def test_pick_follows_the_mode(monkeypatch):
-    assert lk.tritonmode.pick(compiled="gpu", interpreter="cpu") == "cpu"
+def test_tile_configs_follow_the_mode(monkeypatch):
+    (one,) = lk.tritonmode.tile_configs([(128, 64, 4, 3), (64, 64, 8, 2)], interpreter=(32, 16))
+    assert one.kwargs == {"BLOCK_M": 32, "BLOCK_N": 16}
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert lk.tritonmode.pick(compiled="gpu", interpreter="cpu") == "gpu"
+    tuned = lk.tritonmode.tile_configs([(128, 64, 4, 3), (64, 64, 8, 2)], interpreter=(32, 16))
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in tuned] == \
+        [(128, 64, 4, 3), (64, 64, 8, 2)]
     with pytest.raises(RuntimeError, match="loaded_elements"):
         with lk.tritonmode.loaded_elements():
             pass
