@@ -221,7 +221,8 @@ def auto_choice(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> str:
     does; ``reference`` when nothing else can, e.g. causal N != Nk on a CPU); a single candidate
     is taken as it is. Several are timed (forward, or forward+backward when autograd needs
     gradients) on detached views of the inputs, taking turns in short blocks
-    (:func:`labkit.measure.time_interleaved`) so a GPU clock that drifts favours no one; the lowest
+    (:func:`labkit.measure.time_interleaved`) so a GPU clock that drifts favours no one, with L2
+    flushed before each call (in a training step the inputs come cold from other layers); the lowest
     median wins and is cached per (device, dtype, shapes, causal, layout, grad). A candidate that
     fails (e.g. a kernel that does not compile for this shape) drops out.
 
@@ -256,7 +257,7 @@ def _fastest(names: list[str], q, k, v, causal: bool, layout: str, needs_grad: b
                 torch.cuda.set_device(q.device)  # the current device is per thread
             steps = {name: _step(_plan(name, layout, causal, needs_grad, cast), q, k, v, needs_grad) for name in names}
             outcome["timings"], _ = time_interleaved(steps, device=q.device, warmup=2, target_ms=TUNE_MS,
-                                                     min_reps=5, max_reps=200, errors=RUN_ERRORS)
+                                                     min_reps=5, max_reps=200, flush_l2=True, errors=RUN_ERRORS)
         except BaseException as err:  # handed to the caller's thread
             outcome["error"] = err
 
