@@ -104,13 +104,18 @@ def device() -> torch.device:
     return torch.device("cpu" if current() == "interpreter" else "cuda")
 
 
-def tile_configs(compiled: list[tuple[int, int, int, int]], *, interpreter: tuple[int, int]) -> list:
+SMALL_PROBLEM_SCORES = 1 << 24   # B*H*N_Q*N_K below this: one config, tuning costs more than it saves
+
+
+def tile_configs(compiled: list[tuple[int, int, int, int]], *, small: tuple[int, int, int, int]) -> list:
     """Autotuning configs over ``BLOCK_M`` and ``BLOCK_N`` for this mode.
 
     Args:
-        compiled: (BLOCK_M, BLOCK_N, num_warps, num_stages) per candidate, used on a GPU.
-        interpreter: (BLOCK_M, BLOCK_N) of the one config used by the interpreter (there is no
-            speed to tune there, and the autotuner would run the kernel once per config).
+        compiled: (BLOCK_M, BLOCK_N, num_warps, num_stages) per candidate, tried on a GPU.
+        small: a config with small tiles and few stages (fits any GPU's shared memory): the first
+            on a GPU, the only one :func:`tune_large_only` keeps for small or fp32 problems, and
+            the only one in the interpreter (no speed to tune there; the autotuner would run the
+            kernel once per config).
 
     Returns:
         A list of ``triton.Config`` for ``@triton.autotune(configs=...)``.
@@ -118,8 +123,25 @@ def tile_configs(compiled: list[tuple[int, int, int, int]], *, interpreter: tupl
     import triton
 
     if current() == "interpreter":
-        return [triton.Config({"BLOCK_M": interpreter[0], "BLOCK_N": interpreter[1]})]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in compiled]
+        return [triton.Config({"BLOCK_M": small[0], "BLOCK_N": small[1]})]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in [small, *compiled]]
+
+
+def tune_large_only(configs: list, named_args: dict, **kwargs) -> list:
+    """``early_config_prune`` for ``@triton.autotune``: keep only the first config (``small`` of
+    :func:`tile_configs`) for fp32 inputs or fewer than :data:`SMALL_PROBLEM_SCORES` scores.
+
+    Each candidate costs a compilation (seconds) per new key; tests call many small shapes, where
+    the fastest tile saves microseconds. Reads the kernel's ``q_ptr`` [BH, N_Q, D], ``N_Q`` and
+    ``N_K`` arguments, positional or keyword.
+    """
+    args = {**named_args, **kwargs}
+    q = args["q_ptr"]
+    scores = q.shape[0] * args["N_Q"] * args["N_K"]
+    if q.dtype == torch.float32 or scores < SMALL_PROBLEM_SCORES:
+        return configs[:1]
+    return configs
 
 
 @contextlib.contextmanager

@@ -77,15 +77,30 @@ def test_loaded_elements_counts_unmasked_lanes():
 
 
 def test_tile_configs_follow_the_mode(monkeypatch):
-    (one,) = lk.tritonmode.tile_configs([(128, 64, 4, 3), (64, 64, 8, 2)], interpreter=(32, 16))
-    assert one.kwargs == {"BLOCK_M": 32, "BLOCK_N": 16}
+    compiled, small = [(128, 64, 4, 3), (64, 64, 8, 2)], (32, 32, 4, 1)
+    (one,) = lk.tritonmode.tile_configs(compiled, small=small)
+    assert one.kwargs == {"BLOCK_M": 32, "BLOCK_N": 32}
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    tuned = lk.tritonmode.tile_configs([(128, 64, 4, 3), (64, 64, 8, 2)], interpreter=(32, 16))
+    tuned = lk.tritonmode.tile_configs(compiled, small=small)
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in tuned] == \
-        [(128, 64, 4, 3), (64, 64, 8, 2)]
+        [small, *compiled]
     with pytest.raises(RuntimeError, match="loaded_elements"):
         with lk.tritonmode.loaded_elements():
             pass
+
+
+@pytest.mark.parametrize("bh, n, dtype, tuned", [
+    (16, 1024, torch.bfloat16, True),      # 2^24 scores: every candidate
+    (16, 1000, torch.bfloat16, False),     # just under: the first only
+    (256, 4096, torch.float32, False),     # fp32 (the graded path): the first only
+    (1, 100, torch.float16, False),
+])
+def test_tune_large_only_keeps_the_first_config_for_small_or_fp32_problems(bh, n, dtype, tuned):
+    configs = ["small", "a", "b"]
+    q = torch.empty(bh, n, 0, dtype=dtype)                 # no storage needed: shape and dtype only
+    kept = lk.tritonmode.tune_large_only(configs, {"q_ptr": q, "N_Q": n, "N_K": n}, HEAD_DIM=64)
+    assert kept == (configs if tuned else ["small"])
+    assert lk.tritonmode.tune_large_only(configs, {"q_ptr": q}, N_Q=n, N_K=n) == kept   # sizes passed by keyword
 
 
 def test_setup_refuses_a_mode_triton_was_not_imported_in(monkeypatch):
