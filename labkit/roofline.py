@@ -4,10 +4,11 @@ The counts that 04_performance_analysis asks for (the FLOPs and bytes of standar
 phases, the bytes of FlashAttention's tiled schedule, the roof min(peak, I * bandwidth)) are
 the reader's own functions, passed in; this module adds the floor every forward moves
 (:func:`compulsory_bytes`), assembles the phase table (:func:`io_table`), places measured times
-on the roofline and flags the points above their roof (:func:`roofline_points`), and draws it
+on the roofline and flags the points above their roof (:func:`roofline_points`; fused kernels
+only: :func:`fused_points`), and draws it
 (:func:`roofline_plot`). The peaks come from measurements (:mod:`labkit.bench`).
 
-Used in: 04_performance_analysis.
+Used in: 04_performance_analysis, 06_triton_flashattention.
 """
 from __future__ import annotations
 
@@ -93,6 +94,25 @@ def roofline_points(timings: pd.DataFrame, *, roof: Roof, standard: PhaseCounts,
     out = timings.copy()
     for name, values in pd.DataFrame(rows, index=timings.index).items():
         out[name] = values
+    return _place_on_roof(out, roof)
+
+
+def fused_points(timings: pd.DataFrame, *, roof: Roof, elem_bytes: int = 2) -> pd.DataFrame:
+    """Place measured forward times of fused kernels (every row) at FLOP / :func:`compulsory_bytes`.
+
+    :func:`roofline_points` without the IO model of standard attention: for notebooks whose rows
+    are all fused kernels. Returns ``timings`` plus flop, bytes, intensity, intensity_tiled (NaN),
+    achieved_tflops, roof_tflops and above_roof, as :func:`roofline_points` does.
+    """
+    out = timings.copy()
+    out["flop"] = [attn.flops(r.B, r.H, r.N, r.D, causal=bool(r.causal)) for r in out.itertuples()]
+    out["bytes"] = [compulsory_bytes(r.B, r.H, r.N, r.D, elem_bytes=elem_bytes) for r in out.itertuples()]
+    out["intensity_tiled"] = np.nan
+    return _place_on_roof(out, roof)
+
+
+def _place_on_roof(out: pd.DataFrame, roof: Roof) -> pd.DataFrame:
+    """Add intensity, achieved_tflops, roof_tflops and above_roof to rows with flop, bytes and ms."""
     out["intensity"] = out["flop"] / out["bytes"]
     out["achieved_tflops"] = out["flop"] / (out["ms"] * 1e-3) / 1e12
     out["roof_tflops"] = np.asarray(roof(out["intensity"].to_numpy()), dtype=float)

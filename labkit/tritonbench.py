@@ -4,8 +4,8 @@
   PyTorch FlashAttention2), to measure them beside a new kernel.
 - :func:`ratio_table`: one implementation's TFLOP/s over every other's, per configuration, from a
   sweep of :func:`labkit.bench.attention_sweep` (the implementations timed in turns, in one run).
-- :func:`roofline_frame`: forward rows placed at their compulsory-bytes intensity under measured
-  roofs, ready for :func:`labkit.roofline.roofline_plot`.
+- :func:`roofline_frame`: a sweep's forward rows placed at their compulsory-bytes intensity under
+  measured roofs, ready for :func:`labkit.roofline.roofline_plot`.
 - :func:`config_table`: every config of an ``@triton.autotune`` kernel timed on one problem.
 
 Used in: 06_triton_flashattention.
@@ -20,9 +20,8 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from . import attention as attn
 from .measure import time_interleaved
-from .roofline import compulsory_bytes
+from .roofline import fused_points
 
 KEYS = ["D", "causal", "mode", "N"]
 
@@ -68,25 +67,14 @@ def ratio_table(sweep: pd.DataFrame, numerator: str) -> pd.DataFrame:
     return pd.DataFrame({f"vs {b}": table[numerator] / table[b] for b in others}, index=table.index)
 
 
-def roofline_frame(sweep: pd.DataFrame, *, peak_tflops: float, bandwidth: float, elem_bytes: int = 2) -> pd.DataFrame:
-    """Forward rows of ``sweep`` at FLOP / compulsory bytes (:func:`labkit.roofline.compulsory_bytes`).
+def roofline_frame(sweep: pd.DataFrame, *, roof: Callable[[np.ndarray], np.ndarray],
+                   elem_bytes: int = 2) -> pd.DataFrame:
+    """The "ok" forward rows of ``sweep`` on the roofline (:func:`labkit.roofline.fused_points`).
 
     Args:
-        peak_tflops, bandwidth: this machine's measured matmul peak (TFLOP/s) and copy bandwidth (bytes/s).
-
-    Returns:
-        The "ok" forward rows plus flop, bytes, intensity, intensity_tiled (NaN), achieved_tflops,
-        roof_tflops = min(peak, intensity * bandwidth) and above_roof.
+        roof: intensity (FLOP/byte) -> attainable TFLOP/s, from this machine's measured peaks.
     """
-    rows = sweep[(sweep["status"] == "ok") & (sweep["mode"] == "fwd")].copy()
-    rows["flop"] = [attn.flops(r.B, r.H, r.N, r.D, causal=bool(r.causal)) for r in rows.itertuples()]
-    rows["bytes"] = [compulsory_bytes(r.B, r.H, r.N, r.D, elem_bytes=elem_bytes) for r in rows.itertuples()]
-    rows["intensity"] = rows["flop"] / rows["bytes"]
-    rows["intensity_tiled"] = np.nan
-    rows["achieved_tflops"] = rows["flop"] / (rows["ms"] * 1e-3) / 1e12
-    rows["roof_tflops"] = np.minimum(peak_tflops, rows["intensity"] * bandwidth / 1e12)
-    rows["above_roof"] = rows["achieved_tflops"] > rows["roof_tflops"]
-    return rows
+    return fused_points(sweep[(sweep["status"] == "ok") & (sweep["mode"] == "fwd")], roof=roof, elem_bytes=elem_bytes)
 
 
 def config_table(kernel, grid: Callable[[dict], tuple], args: tuple, kwargs: dict, *, flop: float,

@@ -58,7 +58,7 @@ def test_roofline_frame_places_forward_rows_at_compulsory_bytes():
                     ("mine", 2, 4, 1024, 64, True, "fwd", "ok", 0.01, 0.0),
                     ("mine", 2, 4, 1024, 64, False, "fwd_bwd", "ok", 2.0, 0.0),
                     ("fa4", 2, 4, 1024, 64, False, "fwd", "oom", np.nan, np.nan)])
-    pts = lk.tritonbench.roofline_frame(sweep, peak_tflops=100.0, bandwidth=1e12)
+    pts = lk.tritonbench.roofline_frame(sweep, roof=lambda x: np.minimum(100.0, x * 1e12 / 1e12))  # 1 TB/s
     assert len(pts) == 2 and set(pts["mode"]) == {"fwd"}
     flop = 4 * 2 * 4 * 1024 * 1024 * 64
     byte = lk.roofline.compulsory_bytes(2, 4, 1024, 64)
