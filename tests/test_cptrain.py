@@ -2,14 +2,17 @@
 
 PyTorch's context parallelism runs SDPA's CUDA kernels only: on a CPU these tests check the step
 in one process, the attention contract context parallelism needs (SDPA with ``is_causal=True``
-and no mask), the buffers torch shards in place (2 gloo processes) and the command line. The
-``gpu`` tests launch torchrun on 2 GPUs.
+and no mask), the buffers torch shards in place (2 gloo processes), the command line, and the
+whole context-parallel step, ``--check`` and training loop in 2 gloo processes, with the CPU
+flash kernel standing in for the CUDA one (tests/cp_cpu_double.py). The ``gpu`` tests launch
+torchrun on 2 GPUs.
 """
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 import os
+import pickle
 import subprocess
 import sys
 
@@ -106,6 +109,57 @@ def test_sharded_buffers_keep_positions_and_labels_aligned():
     for s_ids, s_pos, s_labels in shards:
         assert s_ids[0] == [ids[p] for p in s_pos[0]]
         assert s_labels[0] == [ids[p + 1] if p + 1 < 16 else -100 for p in s_pos[0]]
+
+
+def _cp_worker(rank: int, port: int, conn, argv: list[str]) -> None:
+    """One of 2 gloo processes: torch's context parallelism on CPU (tests/cp_cpu_double.py), then
+    the same step in this process alone; sends (cp step, single step, --check, train rows)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cp_cpu_double
+    from labkit import cprun
+
+    torch.set_num_threads(1)
+    cp_cpu_double.install()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh, cpu, args = init_device_mesh("cpu", (2,)), torch.device("cpu"), cprun.parser().parse_args(argv)
+    model = tiny(args.seq_len, checkpointing=args.checkpointing, chunked_mlp=args.chunked_mlp,
+                 local_tokens=args.seq_len // 2)
+    batch = cptrain.make_batch(args.seq_len, 256, cpu)
+    steps = {}
+    for name, cp in (("cp", mesh), ("single", None)):
+        loss = cptrain.loss_and_grads(model, batch, cp, chunk_size=args.chunk_size, dtype=torch.float32)
+        steps[name] = loss, [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    result = steps["cp"], steps["single"], cprun.check(args, mesh, cpu), cprun._gather(cptrain.train(args, mesh, cpu), mesh)
+    conn.send_bytes(pickle.dumps(result))  # plain pickle: no tensor shared with a process that exits next
+    dist.destroy_process_group()
+    conn.close()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("levers", [[], ["--checkpointing"], ["--checkpointing", "--chunked-mlp"]])
+def test_context_parallel_step_on_two_cpu_processes(levers):
+    """PyTorch's ring (gloo, a CPU kernel standing in for the CUDA one) under labkit's step: the loss
+    and gradients of 2 ranks equal one process's in fp32; --check passes; train reports both ranks."""
+    argv = ["--size", "tiny", "--seq-len", "256", "--chunk-size", "64", "--steps", "2", *levers]
+    ctx, port = mp.get_context("fork"), _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_cp_worker, args=(r, port, pipes[r][1], argv)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = [pickle.loads(pipe[0].recv_bytes()) if pipe[0].poll(180) else None for pipe in pipes]
+    for proc in procs:
+        proc.join(10)
+    assert all(results), "a context-parallel worker failed or timed out"
+    for (cp_loss, cp_grads), (loss, grads), check, rows in results:
+        assert cp_loss == pytest.approx(loss, rel=1e-5)  # fp32; the ring merges partial results in fp32
+        for g_cp, g in zip(cp_grads, grads):
+            torch.testing.assert_close(g_cp, g, atol=1e-5, rtol=1e-4)
+        assert check["ok"], check
+        assert [r["rank"] for r in rows] == [0, 1] and all(r["local_tokens"] == 128 for r in rows)
+        assert rows[0]["losses"] == rows[1]["losses"] and rows[0]["losses"][0] == pytest.approx(loss, rel=1e-5)
 
 
 def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
