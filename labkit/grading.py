@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import numbers
+import re
 import textwrap
 import tokenize
 from typing import Callable
@@ -79,25 +80,86 @@ def passed(exercise: str) -> None:
 
 
 def check_own_code(fn: Callable, *, name: str) -> None:
-    """``fn``'s source does not call labkit: an exercise answer must be the student's own code."""
+    """``fn`` does not call labkit: an exercise answer must be the student's own code.
+
+    Two checks: the source names no ``lk`` or ``labkit``, and nothing ``fn`` reaches (the
+    globals it loads, its closure and defaults, and, through them, the functions defined beside
+    it) is a labkit module, function or class, however it was imported or renamed
+    (``from labkit.perfmodel import training_memory as tm`` in another cell).
+    """
     import inspect
 
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         _fail(name, "找不到函式原始碼；請在 notebook 的儲存格中定義它。")
-    if {"labkit", "lk"} & _names(source):
-        _fail(name, "此練習要求自行實作：函式內不可呼叫 labkit（lk.*）。",
+    reached = _labkit_reached(fn)
+    if {"labkit", "lk"} & _names(source) or reached:
+        _fail(name, "此練習要求自行實作：函式內不可呼叫 labkit（lk.*）" + (f"（經由 {reached}）。" if reached else "。"),
               "labkit 的版本只用來檢查答案；請用 torch 寫出計算步驟。")
 
 
+def _is_labkit(obj) -> bool:
+    """A labkit module, or a function, method or class defined in labkit (instances do not count)."""
+    import inspect
+
+    if inspect.ismodule(obj):
+        module = obj.__name__
+    elif inspect.isroutine(obj) or inspect.isclass(obj):
+        module = getattr(getattr(obj, "__func__", obj), "__module__", None) or ""
+    else:
+        return False
+    return module == "labkit" or module.startswith("labkit.")
+
+
+def _labkit_reached(fn: Callable, seen: set | None = None) -> str | None:
+    """The name by which ``fn`` reaches labkit, or None. Follows the globals its code loads
+    (``LOAD_GLOBAL``/``LOAD_NAME``, nested code included: attribute names such as ``x.shape``
+    are not globals), its closure cells and defaults, and recurses into plain functions defined
+    in ``fn``'s own module (a helper in another notebook cell)."""
+    import dis
+    import inspect
+
+    fn = getattr(fn, "__func__", fn)  # bound and static methods
+    seen = set() if seen is None else seen
+    if not inspect.isfunction(fn) or fn in seen:
+        return None
+    seen.add(fn)
+    codes, found = [fn.__code__], {}
+    while codes:
+        code = codes.pop()
+        codes += [c for c in code.co_consts if inspect.iscode(c)]
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in fn.__globals__:
+                found[ins.argval] = fn.__globals__[ins.argval]
+    for i, cell in enumerate(fn.__closure__ or ()):
+        try:
+            found[fn.__code__.co_freevars[i]] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    defaults = list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+    found.update({f"<default {i}>": value for i, value in enumerate(defaults)})
+    for label, obj in found.items():
+        if _is_labkit(obj):
+            return label
+        if inspect.isfunction(obj) and obj.__module__ == fn.__module__:
+            inner = _labkit_reached(obj, seen)
+            if inner:
+                return f"{label} -> {inner}"
+    return None
+
+
 def _names(source: str) -> set[str]:
-    """Identifiers in ``source``; comments, strings and names such as ``q_blk`` do not count as lk."""
+    """Identifiers in ``source``, plus "labkit" for a string literal that names a labkit module
+    (``__import__("labkit.perfmodel")``); comments, other strings and names such as ``q_blk`` do
+    not count as lk."""
     names = set()
     try:
         for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(source)).readline):
             if tok.type == tokenize.NAME:
                 names.add(tok.string)
+            elif tok.type == tokenize.STRING and re.fullmatch(r"[rbuRBU]*(['\"])labkit(\.\w+)*\1", tok.string):
+                names.add("labkit")
     except (tokenize.TokenError, IndentationError):  # e.g. a lambda cut out of a longer line
         pass
     return names

@@ -111,6 +111,13 @@ MUTANTS = {
             ("recomputed layer forgotten", "coef.checkpoint + layer", "coef.checkpoint"),
             ("batch missing in the scores", "batch * shape.n_head * seq_len**2", "shape.n_head * seq_len**2"),
             ("lse coefficient hard-coded", "tokens * shape.n_head * coef.lse", "tokens * shape.n_head * 4"),
+            ("labkit's memory model under another name",  # every number right: only check_own_code catches it
+             "def activation_bytes(shape, coef, *, batch, seq_len, flash, checkpointing):",
+             "from labkit.perfmodel import training_memory as model\n\n\n"
+             "def activation_bytes(shape, coef, *, batch, seq_len, flash, checkpointing):\n"
+             "    parts = model(shape, batch=batch, seq_len=seq_len, attention='flash' if flash else 'standard',\n"
+             "                  checkpointing=checkpointing, coef=coef)\n"
+             "    return parts['activations'] + parts['attention'] + parts['logits']"),
         ],
         "ex2_chunked_ce": [
             ("mean over chunks", "return total / t.numel()", "return total / len(h.split(chunk_size))"),

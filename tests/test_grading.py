@@ -1,6 +1,7 @@
 """Tests for labkit.grading: each helper passes on right answers and explains wrong ones in Chinese."""
 from __future__ import annotations
 
+import importlib
 import re
 
 import numpy as np
@@ -144,15 +145,61 @@ class Solution:
         return lk.attention.flops(1, 1, x, 8)
 
 
+renamed_function = lk.attention.reference_attention  # imported in another cell under a name without lk
+renamed_module = importlib.import_module("labkit.attention")
+
+
+def uses_renamed_function(q, k, v):
+    return renamed_function(q, k, v)[0]
+
+
+def uses_renamed_module(q, k, v):
+    return [renamed_module.reference_attention(q, k, v)[0] for _ in range(1)][0]  # inside a comprehension
+
+
+def through_a_helper(q, k, v):
+    return uses_renamed_function(q, k, v)
+
+
+def closes_over(reference):
+    def answer(q, k, v):
+        return reference(q, k, v)[0]
+    return answer
+
+
+def with_default(q, k, v, reference=renamed_function):
+    return reference(q, k, v)[0]
+
+
+def imports_by_string(q, k, v):
+    return __import__("labkit.attention").attention.reference_attention(q, k, v)[0]
+
+
 @pytest.mark.parametrize("fn", [calls_lk, imports_labkit, aliases_labkit, Solution().method,
-                                lambda n: lk.attention.flops(1, 1, n, 8)])
+                                lambda n: lk.attention.flops(1, 1, n, 8), uses_renamed_function,
+                                uses_renamed_module, through_a_helper, closes_over(renamed_function), with_default,
+                                imports_by_string])
 def test_check_own_code_rejects_labkit(fn):
     msg = fails(G.check_own_code, fn, name="attn")
     assert "不可呼叫 labkit" in msg
 
 
+def test_check_own_code_names_the_route():
+    assert "uses_renamed_function -> renamed_function" in fails(G.check_own_code, through_a_helper, name="attn")
+
+
+shape = lk.perfmodel.ModelShape.gpt2("small")  # a labkit instance as data, and a global named like an attribute
+
+
+def reads_attributes(q, k, v):
+    """Written without labkit (a docstring or a string may say "labkit")."""
+    note = "labkit is not used here"
+    return own_code(q, k, v).reshape(q.shape) * (shape.n_embd > 0) * (len(note) > 0)
+
+
 def test_check_own_code_accepts_own_code():
     G.check_own_code(own_code, name="attn")
+    G.check_own_code(reads_attributes, name="attn")  # labkit data and attribute names are not labkit calls
     G.check_own_code(lambda x: x.sum(), name="attn")
 
 
