@@ -2,7 +2,8 @@
 
 - :func:`main`: the command. With ``--nproc P`` > 1 outside ``torchrun`` it starts itself as
   ``python -m torch.distributed.run --standalone --nproc-per-node P -m labkit cp-train ...``;
-  under ``torchrun`` each rank joins the process group (NCCL on GPUs) and a 1-D device mesh, then
+  under ``torchrun`` each rank joins the process group (NCCL on GPUs; gloo on CPU processes, see
+  :mod:`labkit.cpcpu`) and a 1-D device mesh, then
   trains (:func:`lk.cptrain.train <labkit.cptrain.train>`) or, with ``--check``, compares with one GPU.
 - :func:`check_attention`: context-parallel SDPA forward and gradients vs single-GPU SDPA.
 - :func:`check_step`: a GPT-2 step's loss and gradients under context parallelism vs one GPU.
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import cptrain
+from . import cpcpu, cptrain
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,15 +62,20 @@ def _relaunch(argv: list[str], nproc: int) -> int:
 
 
 def _setup(single: bool):
-    """(mesh or None, device): join torchrun's group and build a 1-D mesh, or one process alone."""
+    """(mesh or None, device): join torchrun's group and build a 1-D mesh, or one process alone.
+
+    On GPUs: NCCL, one GPU per rank. Without CUDA: gloo on CPU processes, with :mod:`labkit.cpcpu`'s
+    CPU kernel standing in for the CUDA one PyTorch's ring attention calls.
+    """
     distributed = "LOCAL_RANK" in os.environ and not single
     if not distributed:
         return None, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("cp-train: context parallelism needs CUDA GPUs (PyTorch's ring attention runs SDPA's "
-                         "CUDA kernels only). On a CPU use --single, or lk.ringproc.run_ring for the ring itself.")
     from torch.distributed.device_mesh import init_device_mesh
 
+    if not torch.cuda.is_available():
+        cpcpu.install()
+        dist.init_process_group("gloo")
+        return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",)), torch.device("cpu")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)

@@ -14,10 +14,10 @@ over the mesh. What the model must do for it (found on PyTorch 2.11, 2x H200):
   ``lk.levers.lm_loss``), and gradients are summed across ranks before the optimizer step: the
   result is the gradient of the global mean, as on one GPU.
 
-:func:`train` runs the measured steps, :func:`check` compares against one GPU, :func:`main` is
-``python -m labkit cp-train`` (it starts itself under ``torchrun`` for ``--nproc`` > 1; see
-:mod:`labkit.cprun`). Context parallelism runs on CUDA only (torch's ring handles SDPA's CUDA
-kernels); on a CPU, ``--single`` runs the same step in one process.
+:func:`train` runs the measured steps; :mod:`labkit.cprun` is ``python -m labkit cp-train`` (it
+starts itself under ``torchrun`` for ``--nproc`` > 1) and its check against one GPU. Torch's ring
+calls SDPA's CUDA kernels; without a GPU the processes use gloo and :mod:`labkit.cpcpu`'s CPU
+kernel in their place, so the same step runs on a CPU too.
 
 Used in: 07_context_parallel.
 """

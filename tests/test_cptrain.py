@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import cptrain, levers
+from labkit import cpcpu, cptrain, levers
 from labkit.ringproc import _free_port
 
 ENV = {**os.environ, "LABKIT_PROFILE": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -117,11 +117,10 @@ def _cp_worker(rank: int, port: int, conn, argv: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import cp_cpu_double
-    from labkit import cprun
+    from labkit import cpcpu, cprun
 
     torch.set_num_threads(1)
-    cp_cpu_double.install()
+    cpcpu.install()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     mesh, cpu, args = init_device_mesh("cpu", (2,)), torch.device("cpu"), cprun.parser().parse_args(argv)
     model = tiny(args.seq_len, checkpointing=args.checkpointing, chunked_mlp=args.chunked_mlp,
@@ -141,7 +140,7 @@ def _cp_worker(rank: int, port: int, conn, argv: list[str]) -> None:
 
 @pytest.mark.parametrize("levers", [[], ["--checkpointing"], ["--checkpointing", "--chunked-mlp"]])
 def test_context_parallel_step_on_two_cpu_processes(levers):
-    """PyTorch's ring (gloo, a CPU kernel standing in for the CUDA one) under labkit's step: the loss
+    """PyTorch's ring (gloo, lk.cpcpu's kernel standing in for the CUDA one) under labkit's step: the loss
     and gradients of 2 ranks equal one process's in fp32; --check passes; train reports both ranks."""
     argv = ["--size", "tiny", "--seq-len", "256", "--chunk-size", "64", "--steps", "2", *levers]
     ctx, port = mp.get_context("fork"), _free_port()
@@ -178,10 +177,25 @@ def test_cli_single_on_cpu(tmp_path):
     assert "tokens/s=" in done.stdout and row["predicted_gib"] > 0
 
 
-def test_cli_context_parallel_on_cpu_says_cuda_is_needed():
-    done = run_cli("--nproc", "2", "--size", "tiny", "--seq-len", "256")
-    assert done.returncode != 0
-    assert "needs CUDA GPUs" in done.stdout + done.stderr
+def test_cli_context_parallel_on_cpu_processes(tmp_path):
+    """Without GPUs, --nproc 2 runs torchrun with gloo: both ranks report, and the first step's loss
+    (before any update) is the single process's."""
+    rows = {}
+    for mode in (["--single"], ["--nproc", "2"]):
+        out = tmp_path / f"{len(mode)}.json"
+        done = run_cli(*mode, "--size", "tiny", "--seq-len", "256", "--checkpointing", "--chunk-size", "64",
+                       "--json", str(out))
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        rows[len(mode)] = json.loads(out.read_text())
+    (single,), cp = rows[1], rows[2]
+    assert [r["rank"] for r in cp] == [0, 1] and all(r["world"] == 2 and r["local_tokens"] == 128 for r in cp)
+    assert cp[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
+
+
+def test_install_refuses_a_machine_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="without a GPU"):
+        cpcpu.install()
 
 
 def _two_gpus() -> bool:

@@ -1,11 +1,15 @@
-"""A CPU stand-in for the CUDA kernel PyTorch's context parallelism calls, so its ring runs on gloo.
+"""PyTorch's context parallelism in CPU processes (gloo): a CPU kernel for the op its ring calls.
 
 ``context_parallel`` routes SDPA to ``aten._scaled_dot_product_flash_attention`` (and its
 backward), which has CUDA kernels only; on a CPU, SDPA picks
 ``aten._scaled_dot_product_flash_attention_for_cpu``, which the ring does not handle.
-:func:`install` gives the CUDA op a CPU kernel (the CPU flash kernel, same output and
+:func:`install` gives the CUDA op a CPU kernel (the CPU flash kernel: same output and
 log-sum-exp) and makes ``F.scaled_dot_product_attention`` call that op, so torch's own ring
-attention, sharding and merge run unchanged in CPU processes. Test-only: never imported by labkit.
+attention, sharding and merge run unchanged. ``python -m labkit cp-train --nproc 2`` uses it in
+each process when there is no GPU; call it only in such a process (it changes SDPA for the whole
+process).
+
+Used in: 07_context_parallel (through ``cp-train`` on a machine without GPUs).
 """
 from __future__ import annotations
 
@@ -39,7 +43,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def install() -> None:
-    """Register the CPU kernels and route ``F.scaled_dot_product_attention`` through them (this process)."""
+    """Register the CPU kernels and route ``F.scaled_dot_product_attention`` through them (this process).
+
+    Raises:
+        RuntimeError: CUDA is available (the real kernels run there).
+    """
+    if torch.cuda.is_available():
+        raise RuntimeError("lk.cpcpu stands in for CUDA kernels on machines without a GPU; this one has CUDA.")
     if _LIBRARY:
         return
     library = torch.library.Library("aten", "IMPL")
@@ -47,3 +57,6 @@ def install() -> None:
     library.impl("_scaled_dot_product_flash_attention_backward", _flash_backward, "CPU")
     _LIBRARY.append(library)
     F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+__all__ = ["install", "scaled_dot_product_attention"]
