@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     if args.nproc and args.nproc > 1 and not args.single and "LOCAL_RANK" not in os.environ:
+        if torch.cuda.is_available() and torch.cuda.device_count() < args.nproc:
+            raise SystemExit(f"cp-train: --nproc {args.nproc} needs one GPU per process; this machine has "
+                             f"{torch.cuda.device_count()}. Use --single for the one-GPU baseline.")
         return _relaunch(argv, args.nproc)
     mesh, device = _setup(args.single)
     try:

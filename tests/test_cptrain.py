@@ -192,6 +192,16 @@ def test_cli_context_parallel_on_cpu_processes(tmp_path):
     assert cp[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
 
 
+def test_cli_asks_for_one_gpu_per_process(monkeypatch):
+    from labkit import cprun
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="needs one GPU per process; this machine has 1"):
+        cprun.main(["--nproc", "2", "--seq-len", "256"])
+
+
 def test_install_refuses_a_machine_with_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(RuntimeError, match="without a GPU"):
