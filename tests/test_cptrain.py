@@ -78,32 +78,44 @@ def test_single_step_equals_lm_loss(checkpointing):
     assert batch[0].shape == (1, 64)  # the caller's batch stays whole
 
 
-def _shard_worker(rank: int, port: int, conn) -> None:
+def _gloo_rank(rank: int, port: int, conn, work, args: tuple) -> None:
+    """One of 2 forked gloo processes: ``work(mesh, *args)`` on a 1-D CPU mesh, its result sent back."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    batch = cptrain.make_batch(16, 256, torch.device("cpu"), seed=3)
-    buffers = [t.clone() for t in batch]
-    with cptrain.sharded(init_device_mesh("cpu", (2,)), buffers):
-        conn.send([t.tolist() for t in buffers])
+    result = work(init_device_mesh("cpu", (2,)), *args)
+    conn.send_bytes(pickle.dumps(result))  # plain pickle: no tensor shared with a process that exits next
     dist.destroy_process_group()
     conn.close()
     os._exit(0)
 
 
+def on_two_gloo_processes(work, *args, timeout: float = 180) -> list:
+    """``work(mesh, *args)`` in 2 forked gloo processes (``work`` may be a test's function); results
+    by rank, None for a rank that failed or timed out."""
+    ctx, port = mp.get_context("fork"), _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, pipes[r][1], work, args)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = [pickle.loads(pipe[0].recv_bytes()) if pipe[0].poll(timeout) else None for pipe in pipes]
+    for proc in procs:
+        proc.join(10)
+    return results
+
+
+def _shards(mesh) -> list[list]:
+    buffers = [t.clone() for t in cptrain.make_batch(16, 256, torch.device("cpu"), seed=3)]
+    with cptrain.sharded(mesh, buffers):
+        return [t.tolist() for t in buffers]
+
+
 def test_sharded_buffers_keep_positions_and_labels_aligned():
     """torch shards ids, positions and labels alike (head-tail): every shard keeps global positions
     and each label is the token after its position."""
-    ctx, port = mp.get_context("fork"), _free_port()
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_shard_worker, args=(r, port, pipes[r][1])) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    shards = [pipe[0].recv() if pipe[0].poll(60) else None for pipe in pipes]
-    for proc in procs:
-        proc.join(10)
+    shards = on_two_gloo_processes(_shards, timeout=60)
     ids = cptrain.make_batch(16, 256, torch.device("cpu"), seed=3)[0][0].tolist()
     assert [s[1][0] for s in shards] == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
     for s_ids, s_pos, s_labels in shards:
@@ -111,18 +123,13 @@ def test_sharded_buffers_keep_positions_and_labels_aligned():
         assert s_labels[0] == [ids[p + 1] if p + 1 < 16 else -100 for p in s_pos[0]]
 
 
-def _cp_worker(rank: int, port: int, conn, argv: list[str]) -> None:
-    """One of 2 gloo processes: torch's context parallelism on CPU (tests/cp_cpu_double.py), then
-    the same step in this process alone; sends (cp step, single step, --check, train rows)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _cp_steps(mesh, argv: list[str]) -> tuple:
+    """Torch's context parallelism on CPU (lk.cpcpu), then the same step in this process alone:
+    (cp (loss, grads), single (loss, grads), --check result, train rows of both ranks)."""
+    from labkit import cprun
 
-    from labkit import cpcpu, cprun
-
-    torch.set_num_threads(1)
     cpcpu.install()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    mesh, cpu, args = init_device_mesh("cpu", (2,)), torch.device("cpu"), cprun.parser().parse_args(argv)
+    cpu, args = torch.device("cpu"), cprun.parser().parse_args(argv)
     model = tiny(args.seq_len, checkpointing=args.checkpointing, chunked_mlp=args.chunked_mlp,
                  local_tokens=args.seq_len // 2)
     batch = cptrain.make_batch(args.seq_len, 256, cpu)
@@ -131,11 +138,7 @@ def _cp_worker(rank: int, port: int, conn, argv: list[str]) -> None:
         loss = cptrain.loss_and_grads(model, batch, cp, chunk_size=args.chunk_size, dtype=torch.float32)
         steps[name] = loss, [p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-    result = steps["cp"], steps["single"], cprun.check(args, mesh, cpu), cprun._gather(cptrain.train(args, mesh, cpu), mesh)
-    conn.send_bytes(pickle.dumps(result))  # plain pickle: no tensor shared with a process that exits next
-    dist.destroy_process_group()
-    conn.close()
-    os._exit(0)
+    return steps["cp"], steps["single"], cprun.check(args, mesh, cpu), cprun._gather(cptrain.train(args, mesh, cpu), mesh)
 
 
 @pytest.mark.parametrize("levers", [[], ["--checkpointing"], ["--checkpointing", "--chunked-mlp"]])
@@ -143,14 +146,7 @@ def test_context_parallel_step_on_two_cpu_processes(levers):
     """PyTorch's ring (gloo, lk.cpcpu's kernel standing in for the CUDA one) under labkit's step: the loss
     and gradients of 2 ranks equal one process's in fp32; --check passes; train reports both ranks."""
     argv = ["--size", "tiny", "--seq-len", "256", "--chunk-size", "64", "--steps", "2", *levers]
-    ctx, port = mp.get_context("fork"), _free_port()
-    pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-    procs = [ctx.Process(target=_cp_worker, args=(r, port, pipes[r][1], argv)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = [pickle.loads(pipe[0].recv_bytes()) if pipe[0].poll(180) else None for pipe in pipes]
-    for proc in procs:
-        proc.join(10)
+    results = on_two_gloo_processes(_cp_steps, argv)
     assert all(results), "a context-parallel worker failed or timed out"
     for (cp_loss, cp_grads), (loss, grads), check, rows in results:
         assert cp_loss == pytest.approx(loss, rel=1e-5)  # fp32; the ring merges partial results in fp32
