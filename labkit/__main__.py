@@ -1,9 +1,10 @@
-"""Command line: ``python -m labkit doctor | bench | execute | bundle | cp-train``.
+"""Command line: ``python -m labkit doctor | bench | execute | bundle | longctx | cp-train``.
 
 - doctor: device, dtypes and which attention backends run here;
 - bench: the attention sweep to CSV and PNG (``--vs-direct``: labkit against the kernels called directly);
 - execute: run every solution notebook here, executed copies and a summary page (instructors);
 - bundle: the student zip, refused if any solution text would leak (instructors);
+- longctx: GPT-2 on one long sequence, labkit vs sdpa tokens/s or the longest N (``lk.longctx``);
 - cp-train: GPT-2 on one long sequence across GPUs with context parallelism (``lk.cprun``).
 """
 from __future__ import annotations
@@ -62,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
     bundle.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
     bundle.add_argument("--out", type=Path, default=Path("build/student-bundle.zip"), help="zip file to write")
+    sub.add_parser("longctx", add_help=False,  # its options: python -m labkit longctx --help (lk.longctx)
+                   help="GPT-2 on one long sequence: labkit vs sdpa tokens/s (compare), the longest N (search)")
     sub.add_parser("cp-train", add_help=False,  # its options: python -m labkit cp-train --help (lk.cprun)
                    help="GPT-2 on one long sequence across GPUs (context parallelism, torchrun)")
     return parser
@@ -73,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import cprun
 
         return cprun.main(argv[1:])
+    if argv[:1] == ["longctx"]:
+        from . import longctx
+
+        return longctx.main(argv[1:])
     args = _parser().parse_args(argv)
     from . import bench, doctor, plots
 

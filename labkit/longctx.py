@@ -273,7 +273,7 @@ def summary(search: pd.DataFrame) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> int:
     """``compare`` or ``search`` from the command line; CSVs go to ``--out``. See ``--help``."""
-    parser = argparse.ArgumentParser(prog="labkit.longctx", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m labkit longctx", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     compare = sub.add_parser("compare", help="labkit's attention vs sdpa: tokens/s, loss, peak memory")

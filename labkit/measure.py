@@ -55,15 +55,20 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
                      errors: tuple[type[BaseException], ...] = ()) -> tuple[dict[str, Timing], dict[str, BaseException]]:
     """Time several calls against each other, taking turns, so that they share the GPU's conditions.
 
-    GPU: a start and an end CUDA event around each call, the calls queued back to back and one
-    synchronize per phase (as ``triton.testing.do_bench`` does). The functions take turns (A B C,
+    GPU: a start and an end CUDA event around each call, the calls of a turn queued back to back,
+    read after one synchronize per phase (as ``triton.testing.do_bench`` does). The functions take turns (A B C,
     B C A, C A B, ...; one that needs fewer reps is spread evenly over the turns), so a clock that
     drifts with boost, power or temperature while they are measured shifts all of them alike;
     timed one after another, one kernel measured twice differed by 9% on an H100 (0.82 vs 0.89 ms).
     In the timed phase a turn is a block of consecutive calls of one function, about
-    ``BLOCK_MS`` long and at least ``MIN_BLOCK`` calls, whose first call is an untimed lead-in:
-    after a function whose launches are slower than its kernels the GPU has run dry, and the
-    next call would count its own launch as kernel time.
+    ``BLOCK_MS`` long and at least ``MIN_BLOCK`` calls. Every turn starts on an idle GPU (a
+    synchronize), then an untimed lead-in call: a function that launches faster than its kernels
+    run queues ahead and is timed by its kernels; one whose host side is slower than its kernels
+    is timed by its launches, as in a loop of that call alone (what ``do_bench`` reports and a
+    caller pays). Without the synchronize the backlog of a slower function timed just before
+    hides that launch cost: on an H100, FA4's forward+backward at B=16 H=16 N=1024 D=128, causal
+    (0.71 ms of kernels, about 1 ms of Python launches) timed 0.71 ms here but 1.0 ms in a loop
+    of its own, and ``auto`` picked it over cuDNN's 0.75 ms.
     Phases: ``warmup`` calls each (the last one, synchronized, tells which calls are fast enough
     for blocks); ``min_reps`` timed calls each (the estimate; a call so slow that they fill
     ``target_ms`` is timed by them alone); a warm-up of about ``target_ms / 4``
@@ -113,7 +118,7 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
 
     A turn of ``name`` is ``block[name]`` consecutive calls (1 when ``block`` is None or there is
     only one name: nothing else runs between its calls); in a block of more than one the first
-    call is a lead-in, run but not timed. Turn i starts at
+    call is a lead-in, run but not timed; each turn starts after a synchronize. Turn i starts at
     name i (mod the count), so every name is as often first as last; a name that needs b of
     the T = max blocks runs in the turns where i * b // T steps up (evenly spread). A name that
     raises one of ``errors`` is added to ``failures`` and dropped.
@@ -130,6 +135,7 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
             if name in failures or (i + 1) * blocks[name] // turns == i * blocks[name] // turns:
                 continue
             try:
+                _sync(device)  # an idle GPU: no backlog of the previous function hides this one's launches
                 if size[name] > 1:
                     fns[name]()  # lead-in: may wait for the GPU queue to refill
                 for _ in range(min(per_block[name], reps[name] - len(pending[name]))):

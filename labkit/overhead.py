@@ -10,7 +10,10 @@ In forward+backward rows each call's output gradient dO is ``ones_like`` of its 
 arrives in the layout the kernel wrote O in, as in training (and as ``auto`` tunes).
 Each call is timed with ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls) where
 triton is installed, else :func:`labkit.measure.time_fn`; the calls of one row take turns over
-``rounds`` rounds (rotating order) and the median over rounds is kept, so clock drift favours none.
+``rounds`` rounds and the median over rounds is kept, so clock drift favours none. Each round has
+its own shuffled order: rotated, every call always followed the same other call (the control
+always came after ``labkit:<pick>``), so what a kernel inherits from the one before it (clocks,
+power) did not average out; in that order the control ranged 0.954-1.055 on an H100.
 
 ``python -m labkit bench --vs-direct`` prints the table.
 
@@ -18,6 +21,7 @@ Used in: instructors checking labkit on their GPU (the README's GPU notes).
 """
 from __future__ import annotations
 
+import random
 import statistics
 from typing import Callable
 
@@ -126,9 +130,9 @@ def vs_direct(configs: list[dict], *, layouts=("bhnd", "bnhd"), causal=(False, T
                 failed[name] = str(err).splitlines()[0][:80]
                 del calls[name]
         ms: dict[str, list[float]] = {name: [] for name in calls}
-        names = list(calls)
-        for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+        order = random.Random(len(rows))
+        for _ in range(rounds):
+            for name in order.sample(list(calls), len(calls)):
                 ms[name].append(measure(calls[name]))
         med = {name: statistics.median(v) for name, v in ms.items()}
         direct = {name: t for name, t in med.items() if name.startswith("direct:")}

@@ -82,13 +82,15 @@ def test_longest_sequence_errors():
         longctx.longest_sequence(["flash"], size="tiny", device="cpu")
 
 
-def test_command_line_writes_csv(tmp_path, capsys):
+def test_command_line_writes_csv(tmp_path, capsys):  # also as python -m labkit longctx
     assert longctx.main(["search", "--configs", "flash+ckpt+chunked", "--start", "32", "--max-len", "32", "--size",
                          "tiny", "--chunk-size", "16", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "stopped_by" in out and (tmp_path / "search.csv").exists()
-    assert longctx.main(["compare", "--seq-lens", "32", "--rounds", "1", "--size", "tiny", "--out",
-                         str(tmp_path)]) == 0
+    from labkit.__main__ import main as python_m_labkit
+
+    assert python_m_labkit(["longctx", "compare", "--seq-lens", "32", "--rounds", "1", "--size", "tiny", "--out",
+                            str(tmp_path)]) == 0, "python -m labkit longctx compare ..."
     assert "vs_sdpa" in capsys.readouterr().out and (tmp_path / "compare.csv").exists()
 
 

@@ -88,6 +88,17 @@ def test_a_block_of_calls_starts_with_an_untimed_lead_in():
     assert order == ["a"] * 3 + ["b"] * 4 + ["a"] * 3, "blocks of a take turns with b's; lead-ins untimed"
 
 
+def test_every_turn_starts_on_an_idle_gpu(monkeypatch):
+    """A backlog left by the previous function would hide this one's launch cost (auto then
+    picked a Python-launched kernel whose launches are slower than its kernels)."""
+    order = []
+    monkeypatch.setattr(M, "_sync", lambda device: order.append("sync"))
+    fns = {name: (lambda name=name: order.append(name)) for name in "ab"}
+    M._turns_ms(fns, {"a": 2, "b": 1}, block={"a": 3, "b": 2}, device=torch.device("cpu"), flush=None,
+                errors=(), failures={})
+    assert order == ["sync", "a", "a", "a", "sync", "b", "b", "sync"], "a synchronize before each turn, one at the end"
+
+
 class VirtualClock:
     """Stands in for the ``time`` module of labkit.measure: work advances it by exact amounts, so
     timing logic is tested without a busy CPU's preemptions."""
