@@ -130,6 +130,11 @@ def _vs_direct(args, configs: list[dict], causal: tuple[bool, ...]) -> int:
     print(f"labkit:<pick> / direct:<pick>: min {df['labkit_over_direct'].min():.3f}, "
           f"median {df['labkit_over_direct'].median():.3f}")
     print(f"control (a kernel against itself): {df['control'].min():.3f} .. {df['control'].max():.3f}")
+    slow = overhead.slow_rows(df)
+    if not slow.empty:
+        print("rows below 0.97, by cause (pick: auto ran another kernel than the fastest; noise: the same kernel):")
+        print(slow[["N", "D", "layout", "causal", "mode", "best", "pick", "auto_over_best", "control", "cause"]]
+              .round(3).to_string(index=False))
     print(f"wrote {args.out / 'vs_direct.csv'}")
     return 0
 

@@ -149,3 +149,13 @@ def vs_direct(configs: list[dict], *, layouts=("bhnd", "bnhd"), causal=(False, T
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)
+
+
+def slow_rows(df: pd.DataFrame, *, threshold: float = 0.97) -> pd.DataFrame:
+    """The rows of a :func:`vs_direct` table where ``auto`` ran below ``threshold`` of the best direct
+    call, with ``cause``: "pick" where auto ran another kernel than the fastest direct one (a
+    wrong choice), "noise" where it ran that same kernel (the two timings of one kernel differ;
+    compare the row's ``control``)."""
+    slow = df[df["auto_over_best"] < threshold].copy()
+    slow["cause"] = ["noise" if best == pick else "pick" for best, pick in zip(slow["best"], slow["pick"])]
+    return slow

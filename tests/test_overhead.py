@@ -36,3 +36,12 @@ def test_cli_vs_direct_writes_the_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and (tmp_path / "vs_direct.csv").exists()
     assert "auto / best direct call: min" in out and "control (a kernel against itself)" in out
+
+
+def test_slow_rows_tell_a_wrong_pick_from_timing_noise():
+    df = pd.DataFrame(dict(N=[1024, 1024, 2048], best=["fa4", "sdpa_cudnn", "fa4"], pick=["fa4", "fa4", "fa4"],
+                           auto_over_best=[0.95, 0.91, 0.99]))
+    slow = O.slow_rows(df)
+    assert list(slow["N"]) == [1024, 1024], "only rows below 0.97"
+    assert list(slow["cause"]) == ["noise", "pick"]
+    assert O.slow_rows(df, threshold=0.9).empty
