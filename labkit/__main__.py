@@ -124,13 +124,12 @@ def _vs_direct(args, configs: list[dict], causal: tuple[bool, ...]) -> int:
     df = overhead.vs_direct(configs, causal=causal, modes=args.modes, rounds=args.rounds,
                             rep_ms=args.rep_ms, dtype=DTYPES[args.dtype], partial_csv=args.out / "vs_direct.csv")
     print(df.drop(columns=["B", "H", *[c for c in df if c.startswith("ms ")]]).round(3).to_string(index=False))
-    ratio = df["auto_over_best"]
+    ratio, slow = df["auto_over_best"], overhead.slow_rows(df)
     print(f"\nauto / best direct call: min {ratio.min():.3f}, median {ratio.median():.3f}, "
-          f"rows below 0.97: {int((ratio < 0.97).sum())} of {len(df)}")
+          f"rows below 0.97: {len(slow)} of {len(df)}")
     print(f"labkit:<pick> / direct:<pick>: min {df['labkit_over_direct'].min():.3f}, "
           f"median {df['labkit_over_direct'].median():.3f}")
     print(f"control (a kernel against itself): {df['control'].min():.3f} .. {df['control'].max():.3f}")
-    slow = overhead.slow_rows(df)
     if not slow.empty:
         print("rows below 0.97, by cause (pick: auto ran another kernel than the fastest; noise: the same kernel):")
         print(slow[["N", "D", "layout", "causal", "mode", "best", "pick", "auto_over_best", "control", "cause"]]

@@ -134,8 +134,8 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
             name = names[(i + j) % len(names)]
             if name in failures or (i + 1) * blocks[name] // turns == i * blocks[name] // turns:
                 continue
+            _sync(device)  # an idle GPU: no backlog of the previous function hides this one's launches
             try:
-                _sync(device)  # an idle GPU: no backlog of the previous function hides this one's launches
                 if size[name] > 1:
                     fns[name]()  # lead-in: may wait for the GPU queue to refill
                 for _ in range(min(per_block[name], reps[name] - len(pending[name]))):
