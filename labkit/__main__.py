@@ -49,8 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("build/bench"), help="output folder")
     bench.add_argument("--vs-direct", action="store_true",
                        help="instead of the sweep: auto and labkit against the kernels called directly, both layouts")
-    bench.add_argument("--rounds", type=int, default=8, help="--vs-direct: interleaved timing rounds per row")
-    bench.add_argument("--rep-ms", type=float, default=100.0, help="--vs-direct: milliseconds of calls per measurement")
+    bench.add_argument("--rounds", type=int, default=60, help="--vs-direct: interleaved timing rounds per row")
+    bench.add_argument("--rep-ms", type=float, default=10.0, help="--vs-direct: milliseconds of calls per measurement")
     execute = sub.add_parser("execute", help="run the solution notebooks here; copies and summary.md")
     execute.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
     execute.add_argument("--out", type=Path, default=Path("build/execute"), help="output folder")

@@ -10,11 +10,17 @@ In forward+backward rows each call's output gradient dO is ``ones_like`` of its 
 arrives in the layout the kernel wrote O in, as in training (and as ``auto`` tunes).
 Each call is timed with ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls) where
 triton is installed, else :func:`labkit.measure.time_fn`; the calls of one row take turns over
-``rounds`` rounds and the median over rounds is kept, so clock drift favours none. Each round has
-its own shuffled order: rotated, every call always followed the same other call (the control
-always came after ``labkit:<pick>``), so what a kernel inherits from the one before it (clocks,
-power) did not average out; in that order the control ranged 0.954-1.055 on an H100.
-
+``rounds`` rounds, each round in its own shuffled order, with Python's garbage collector paused.
+Each ratio is the median over rounds of the two calls' ratio within a round (:func:`paired_ratio`),
+not a ratio of two medians. What made that necessary, measured on an H100 (one kernel under two
+names, 40-120 rounds): under the 700 W power limit the SM clock wandered 1305-1740 MHz, so one
+``do_bench`` of a GPU-bound kernel varied 2-4% (a ratio of medians over 12 rounds came out up to
+4% off 1.0); FlashAttention-4's forward+backward at N = 1024, whose Python launches outlast its
+kernels, varied 25-40% with the host's speed, in runs of slow rounds: over 40 rounds of 40 ms
+two separate medians differed by 11% (paired: 4%), over 120 rounds of 10 ms by 2.4% (paired:
+0.3%). Short measurements in many rounds follow that drift better than long ones in few: with
+the defaults (60 rounds of ``rep_ms`` 10) the 80-row table's control stayed within 0.992-1.010 on
+that H100, against 0.960-1.039 from 12 rounds of 40 ms before.
 ``python -m labkit bench --vs-direct`` prints the table.
 
 Used in: instructors checking labkit on their GPU (the README's GPU notes).
@@ -32,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import attention as attn
 from .kernels import RUN_ERRORS, SDPA_BACKENDS, flash_function
-from .measure import as_device, time_fn
+from .measure import as_device, gc_paused, time_fn
 
 _SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
          "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -62,12 +68,13 @@ def direct_call(backend: str, *, causal: bool, layout: str) -> Callable:
 
 def _timer(device: torch.device, rep_ms: float) -> Callable[[Callable], float]:
     """Milliseconds of one measurement of ``fn`` (about ``rep_ms`` of calls): do_bench on a GPU
-    with triton, else time_fn."""
+    with triton, else time_fn. do_bench's 25 ms of warm-up let a clock held by the power limit
+    settle to this kernel's own draw rather than that of the call timed before it."""
     if device.type == "cuda":
         try:
             from triton.testing import do_bench
 
-            return lambda fn: do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+            return lambda fn: do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
         except ImportError:
             pass
     return lambda fn: time_fn(fn, device=device, target_ms=rep_ms).median_ms
@@ -104,15 +111,17 @@ def _row_calls(cfg: dict, *, causal: bool, layout: str, mode: str, dtype, device
 
 
 def vs_direct(configs: list[dict], *, layouts=("bhnd", "bnhd"), causal=(False, True), modes=attn.MODES,
-              rounds: int = 8, rep_ms: float = 100.0, dtype=torch.bfloat16, device=None,
+              rounds: int = 60, rep_ms: float = 10.0, dtype=torch.bfloat16, device=None,
               progress: bool = True, partial_csv=None) -> pd.DataFrame:
     """One row per (config, layout, causal, mode): the fastest direct kernel, auto, the named pick, the control.
 
     Returns:
-        DataFrame with B, H, N, D, layout, causal, mode, best (the fastest direct backend), pick
-        (auto's), best_ms, auto_ms, auto_over_best (best_ms / auto_ms: 1.0 = as fast as the best
-        direct call), labkit_over_direct (direct:<pick> / labkit:<pick>), control (direct:<pick>
-        against itself: the timing noise), and the failures of any call that raised.
+        DataFrame with B, H, N, D, layout, causal, mode, best (the direct backend of lowest median),
+        pick (auto's), best_ms, auto_ms (medians), auto_over_best (direct:<best> / auto, paired:
+        1.0 = as fast as the best direct call), labkit_over_direct (direct:<pick> / labkit:<pick>),
+        control (direct:<pick> against itself: the timing noise), the failures of any call that
+        raised, screened_out (direct calls timed in the first rounds only, see :func:`_take_turns`)
+        and each call's median as ``ms <name>``.
     """
     from tqdm.auto import tqdm
 
@@ -129,26 +138,56 @@ def vs_direct(configs: list[dict], *, layouts=("bhnd", "bnhd"), causal=(False, T
             except RUN_ERRORS as err:
                 failed[name] = str(err).splitlines()[0][:80]
                 del calls[name]
-        ms: dict[str, list[float]] = {name: [] for name in calls}
-        order = random.Random(len(rows))
-        for _ in range(rounds):
-            for name in order.sample(list(calls), len(calls)):
-                ms[name].append(measure(calls[name]))
+        ms = _take_turns(calls, rounds, measure, order=random.Random(len(rows)))
         med = {name: statistics.median(v) for name, v in ms.items()}
         direct = {name: t for name, t in med.items() if name.startswith("direct:")}
         best = min(direct, key=direct.get)
         pick = next(name for name in med if name.startswith("labkit:")).split(":", 1)[1]
         rows.append(dict(**cfg, layout=layout, causal=c, mode=mode, best=best.split(":", 1)[1], pick=pick,
-                         best_ms=direct[best], auto_ms=med["auto"], auto_over_best=direct[best] / med["auto"],
-                         labkit_over_direct=med[f"direct:{pick}"] / med[f"labkit:{pick}"],
-                         control=med[f"direct:{pick}"] / med["control"],
+                         best_ms=direct[best], auto_ms=med["auto"], auto_over_best=paired_ratio(ms[best], ms["auto"]),
+                         labkit_over_direct=paired_ratio(ms[f"direct:{pick}"], ms[f"labkit:{pick}"]),
+                         control=paired_ratio(ms[f"direct:{pick}"], ms["control"]),
                          failed="; ".join(f"{k}: {v}" for k, v in failed.items()),
+                         screened_out=" ".join(name for name, v in ms.items() if len(v) < rounds),
                          **{f"ms {name}": t for name, t in med.items()}))
         if partial_csv is not None:
             pd.DataFrame(rows).to_csv(partial_csv, index=False)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return pd.DataFrame(rows)
+
+
+SCREEN_ROUNDS = 5   # rounds every call is timed before the clearly slower direct calls stop
+SCREEN_CUTOFF = 1.3  # a direct call whose median is this far above the fastest one's cannot be the best
+
+
+def _take_turns(calls: dict[str, Callable], rounds: int, measure: Callable[[Callable], float],
+                order: random.Random) -> dict[str, list[float]]:
+    """Milliseconds of each call in each round (each round in its own shuffled order, the garbage
+    collector paused). After ``SCREEN_ROUNDS`` rounds, direct calls more than ``SCREEN_CUTOFF``
+    times slower than the fastest direct one (e.g. SDPA's efficient kernel, 2-4x behind on an
+    H100) are no longer timed: they cannot be the best, and they took most of a row's time.
+    The calls labkit is compared with (auto, labkit:<pick>, direct:<pick>, control) run every round."""
+    ms: dict[str, list[float]] = {name: [] for name in calls}
+    active = list(calls)
+    with gc_paused():
+        for r in range(rounds):
+            if r == SCREEN_ROUNDS:
+                med = {name: statistics.median(v) for name, v in ms.items() if name.startswith("direct:")}
+                fastest = min(med.values())
+                needed = {name for name in calls if not name.startswith("direct:")}
+                needed |= {"direct:" + name.split(":", 1)[1] for name in calls if name.startswith("labkit:")}
+                active = [name for name in active if name in needed or med[name] <= SCREEN_CUTOFF * fastest]
+            for name in order.sample(active, len(active)):
+                ms[name].append(measure(calls[name]))
+    return ms
+
+
+def paired_ratio(numerator_ms: list[float], denominator_ms: list[float]) -> float:
+    """Median over rounds of ``numerator_ms[r] / denominator_ms[r]``: the two calls of a ratio are
+    compared within each round, so what drifts between rounds (GPU clocks under the power limit,
+    the host's speed) cancels instead of adding to the noise of two separate medians."""
+    return statistics.median(a / b for a, b in zip(numerator_ms, denominator_ms, strict=True))
 
 
 def slow_rows(df: pd.DataFrame, *, threshold: float = 0.97) -> pd.DataFrame:

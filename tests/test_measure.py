@@ -162,3 +162,18 @@ def test_time_interleaved_drops_a_failing_call_and_times_the_rest():
     with pytest.raises(RuntimeError):
         calls["bad"] = 0
         M.time_interleaved({"bad": bad}, device="cpu", target_ms=1, min_reps=3)  # not in errors: raised
+
+
+def test_gc_paused_pauses_and_restores_the_collector():
+    import gc
+
+    with M.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with M.gc_paused():
+            pass
+        assert not gc.isenabled(), "a collector the caller had turned off stays off"
+    finally:
+        gc.enable()

@@ -1,7 +1,12 @@
 """Tests for labkit.overhead: the table of auto and labkit against the kernels called directly (CPU run)."""
 from __future__ import annotations
 
+import gc
+import random
+import statistics
+
 import pandas as pd
+import pytest
 import torch
 
 import labkit as lk
@@ -45,3 +50,24 @@ def test_slow_rows_tell_a_wrong_pick_from_timing_noise():
     assert list(slow["N"]) == [1024, 1024], "only rows below 0.97"
     assert list(slow["cause"]) == ["noise", "pick"]
     assert O.slow_rows(df, threshold=0.9).empty
+
+
+def test_paired_ratio_cancels_what_drifts_between_rounds():
+    slow_host = [1.0, 2.0, 1.5, 3.0, 1.2]  # a call whose time follows the host's speed round by round
+    same_kernel = [t * 1.01 for t in slow_host]
+    assert O.paired_ratio(slow_host, same_kernel) == pytest.approx(1 / 1.01)
+    assert statistics.median(slow_host) / statistics.median([1.1, 2.2, 1.4, 3.1, 1.3]) != pytest.approx(1 / 1.01)
+    with pytest.raises(ValueError):
+        O.paired_ratio([1.0, 2.0], [1.0])  # rounds that do not pair up
+
+
+def test_take_turns_stops_timing_clearly_slower_direct_calls():
+    names = ["direct:fast", "direct:close", "direct:slow", "direct:picked_slow", "auto", "labkit:picked_slow",
+             "control"]
+    ms = {"direct:fast": 1.0, "direct:close": 1.2, "direct:slow": 2.0, "direct:picked_slow": 2.5}
+    calls = {name: (lambda name=name: name) for name in names}
+    measured = O._take_turns(calls, 12, lambda fn: ms.get(fn(), 1.0), order=random.Random(0))
+    rounds = {name: len(v) for name, v in measured.items()}
+    assert rounds["direct:slow"] == O.SCREEN_ROUNDS, "over the cutoff: timed in the screening rounds only"
+    assert all(rounds[n] == 12 for n in names if n != "direct:slow"), "within the cutoff, auto's pick, and the rest"
+    assert gc.isenabled(), "the garbage collector is back on after timing"
