@@ -46,10 +46,10 @@ def _sync(device: torch.device) -> None:
 @contextmanager
 def gc_paused():
     """Python's cyclic garbage collector off inside the block, as ``timeit`` does: a collection
-    would otherwise be charged to whichever timed call allocates when it is due. (No collection
-    first: with transformers loaded one takes about 0.2 s on a CPU.)
-    (On an H100 it did not steady FlashAttention-4's host-bound forward+backward at N = 1024,
-    whose spread follows the host's speed; it removes one cause that is not the kernel's.)"""
+    would otherwise be charged to whichever timed call allocates when it is due. No collection
+    first (with transformers loaded one takes about 0.2 s on a CPU). On an H100 it did not steady
+    FlashAttention-4's host-bound forward+backward at N = 1024, whose spread follows the host's
+    speed; it removes one cause that is not the kernel's. Also a decorator: ``@gc_paused()``."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -67,6 +67,7 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
     return timings["fn"]
 
 
+@gc_paused()
 def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmup: int = 2,
                      target_ms: float = 100.0, min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False,
                      errors: tuple[type[BaseException], ...] = ()) -> tuple[dict[str, Timing], dict[str, BaseException]]:
@@ -97,15 +98,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     Returns ({name: Timing}, {name: exception}): a call that raises one of ``errors`` is dropped
     and its exception returned; any other exception propagates.
     """
-    with gc_paused():
-        return _time_interleaved(fns, device=as_device(device), warmup=warmup, target_ms=target_ms,
-                                 min_reps=min_reps, max_reps=max_reps, flush_l2=flush_l2, errors=errors)
-
-
-def _time_interleaved(fns: dict[str, Callable[[], object]], *, device: torch.device, warmup: int, target_ms: float,
-                      min_reps: int, max_reps: int, flush_l2: bool,
-                      errors: tuple[type[BaseException], ...]) -> tuple[dict[str, Timing], dict[str, BaseException]]:
-    """:func:`time_interleaved`'s phases, with the garbage collector paused."""
+    device = as_device(device)
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
     failures: dict[str, BaseException] = {}
 

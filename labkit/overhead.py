@@ -138,11 +138,11 @@ def vs_direct(configs: list[dict], *, layouts=("bhnd", "bnhd"), causal=(False, T
             except RUN_ERRORS as err:
                 failed[name] = str(err).splitlines()[0][:80]
                 del calls[name]
-        ms = _take_turns(calls, rounds, measure, order=random.Random(len(rows)))
+        pick = next(name for name in calls if name.startswith("labkit:")).split(":", 1)[1]
+        ms = _take_turns(calls, rounds, measure, order=random.Random(len(rows)), keep=f"direct:{pick}")
         med = {name: statistics.median(v) for name, v in ms.items()}
         direct = {name: t for name, t in med.items() if name.startswith("direct:")}
         best = min(direct, key=direct.get)
-        pick = next(name for name in med if name.startswith("labkit:")).split(":", 1)[1]
         rows.append(dict(**cfg, layout=layout, causal=c, mode=mode, best=best.split(":", 1)[1], pick=pick,
                          best_ms=direct[best], auto_ms=med["auto"], auto_over_best=paired_ratio(ms[best], ms["auto"]),
                          labkit_over_direct=paired_ratio(ms[f"direct:{pick}"], ms[f"labkit:{pick}"]),
@@ -162,12 +162,13 @@ SCREEN_CUTOFF = 1.3  # a direct call whose median is this far above the fastest 
 
 
 def _take_turns(calls: dict[str, Callable], rounds: int, measure: Callable[[Callable], float],
-                order: random.Random) -> dict[str, list[float]]:
+                order: random.Random, keep: str) -> dict[str, list[float]]:
     """Milliseconds of each call in each round (each round in its own shuffled order, the garbage
     collector paused). After ``SCREEN_ROUNDS`` rounds, direct calls more than ``SCREEN_CUTOFF``
     times slower than the fastest direct one (e.g. SDPA's efficient kernel, 2-4x behind on an
     H100) are no longer timed: they cannot be the best, and they took most of a row's time.
-    The calls labkit is compared with (auto, labkit:<pick>, direct:<pick>, control) run every round."""
+    The calls that are not direct ones, and ``keep`` (direct:<pick>, which labkit is compared
+    with), run every round."""
     ms: dict[str, list[float]] = {name: [] for name in calls}
     active = list(calls)
     with gc_paused():
@@ -175,9 +176,8 @@ def _take_turns(calls: dict[str, Callable], rounds: int, measure: Callable[[Call
             if r == SCREEN_ROUNDS:
                 med = {name: statistics.median(v) for name, v in ms.items() if name.startswith("direct:")}
                 fastest = min(med.values())
-                needed = {name for name in calls if not name.startswith("direct:")}
-                needed |= {"direct:" + name.split(":", 1)[1] for name in calls if name.startswith("labkit:")}
-                active = [name for name in active if name in needed or med[name] <= SCREEN_CUTOFF * fastest]
+                active = [name for name in active
+                          if name == keep or name not in med or med[name] <= SCREEN_CUTOFF * fastest]
             for name in order.sample(active, len(active)):
                 ms[name].append(measure(calls[name]))
     return ms

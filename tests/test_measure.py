@@ -170,6 +170,10 @@ def test_gc_paused_pauses_and_restores_the_collector():
     with M.gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
+    seen = []
+    M.time_interleaved({"f": lambda: seen.append(gc.isenabled())}, device="cpu", target_ms=1)
+    assert seen and not any(seen), "time_interleaved times with the collector paused"
+    assert gc.isenabled()
     gc.disable()
     try:
         with M.gc_paused():

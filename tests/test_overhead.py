@@ -66,7 +66,8 @@ def test_take_turns_stops_timing_clearly_slower_direct_calls():
              "control"]
     ms = {"direct:fast": 1.0, "direct:close": 1.2, "direct:slow": 2.0, "direct:picked_slow": 2.5}
     calls = {name: (lambda name=name: name) for name in names}
-    measured = O._take_turns(calls, 12, lambda fn: ms.get(fn(), 1.0), order=random.Random(0))
+    measured = O._take_turns(calls, 12, lambda fn: ms.get(fn(), 1.0), order=random.Random(0),
+                             keep="direct:picked_slow")
     rounds = {name: len(v) for name, v in measured.items()}
     assert rounds["direct:slow"] == O.SCREEN_ROUNDS, "over the cutoff: timed in the screening rounds only"
     assert all(rounds[n] == 12 for n in names if n != "direct:slow"), "within the cutoff, auto's pick, and the rest"
