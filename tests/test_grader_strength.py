@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 SETUP = {
     "01_setup_and_comparison": ["P = lk.profiles.choose("],
     "02_gpt2_integration": ["P = lk.profiles.choose(", "TINY = lk.gpt2.build_model("],
-    "03_long_sequence_training": ["P = lk.profiles.choose(", "COEF = lk.perfmodel.MemoryCoefficients()"],
+    "03_long_sequence_training": ["import numpy as np", "COEF = lk.perfmodel.MemoryCoefficients()"],
     "04_performance_analysis": ["P = lk.profiles.choose(", "ridge = peak_tflops", "sweep = lk.predictor.time_grid("],
     "05_precision_analysis": ["P = lk.profiles.choose("],
     "06_triton_flashattention": ["MODE = lk.tritonmode.setup()"],
@@ -107,17 +107,14 @@ MUTANTS = {
         ],
     },
     "03_long_sequence_training": {
-        "ex1_activation_bytes": [
-            ("recomputed layer forgotten", "coef.checkpoint + layer", "coef.checkpoint"),
-            ("batch missing in the scores", "batch * shape.n_head * seq_len**2", "shape.n_head * seq_len**2"),
-            ("lse coefficient hard-coded", "tokens * shape.n_head * coef.lse", "tokens * shape.n_head * 4"),
-            ("labkit's memory model under another name",  # every number right: only check_own_code catches it
-             "def activation_bytes(shape, coef, *, batch, seq_len, flash, checkpointing):",
-             "from labkit.perfmodel import training_memory as model\n\n\n"
-             "def activation_bytes(shape, coef, *, batch, seq_len, flash, checkpointing):\n"
-             "    parts = model(shape, batch=batch, seq_len=seq_len, attention='flash' if flash else 'standard',\n"
-             "                  checkpointing=checkpointing, coef=coef)\n"
-             "    return parts['activations'] + parts['attention'] + parts['logits']"),
+        "ex1_fit_coefficients": [
+            ("absolute instead of relative error", "w = 1.0 / y", "w = np.ones_like(y)"),
+            ("LSE not taken out", "(y - known) * w", "y * w"),
+            ("scores feature for flash runs too", "np.where(flash, 0.0, L * B * H * N**2)", "L * B * H * N**2"),
+            ("LSE coefficient hard-coded", "known = np.where(flash, lse * L", "known = np.where(flash, 4.0 * L"),
+            ("underdetermined runs accepted", "if np.linalg.matrix_rank(features) < 3:", "if False:"),
+            ("the H100 coefficients returned", "    return {\"hidden\": float(c[0])",
+             "    c = [94.0, 6.0, 10.4]\n    return {\"hidden\": float(c[0])"),
         ],
         "ex2_chunked_ce": [
             ("mean over chunks", "return total / t.numel()", "return total / len(h.split(chunk_size))"),
