@@ -142,8 +142,8 @@ class NaNMonitor:
 
 def capture_outputs(model: nn.Module, run: Callable[[], object]) -> dict[str, torch.Tensor]:
     """Call ``run()`` once and return every leaf module's output (detached, its own dtype), by
-    module name in forward order; compare two runs with
-    :func:`labkit.precision.error_metrics` module by module."""
+    module name in forward order, to compare two runs module by module (05_precision_analysis
+    compares them with the reader's error report)."""
     outputs: dict[str, torch.Tensor] = {}
 
     def keep(name: str):

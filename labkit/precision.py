@@ -1,13 +1,13 @@
-"""Numerical precision: error metrics, float formats, FlashAttention dtype rules, fp32-statistics LayerNorm.
+"""Numerical precision: float formats, FlashAttention dtype rules, the 2x rule for attention kernels.
 
-- :func:`error_metrics`, :func:`error_vs_baseline`: errors that stay meaningful near zero
-  (no element-wise division by the reference), and the "2x rule" ratio against an eager
-  baseline run in the same low precision.
 - :func:`format_table`: FP32, TF32, FP16, BF16 and FP8 read from ``torch.finfo``.
 - :func:`check_flash_dtypes`, :func:`safe_flash_attention`: FlashAttention's dtype rules and a
   wrapper that makes every cast explicit (a warning per cast, or an error), never silent.
-- :func:`attention_error_row`: the 2x rule for one attention backend.
-- :class:`LayerNormFP32`: LayerNorm whose statistics are computed in fp32 for any input dtype.
+- :func:`attention_error_row`: the 2x rule for one attention backend (max |error| against fp32,
+  over that of an eager run in the same low precision).
+
+The error report (max_abs, mean_abs, rel_l2, cosine) and the fp32-statistics LayerNorm are the
+reader's exercises in 05_precision_analysis, which passes them to the later cells.
 
 Training with AMP and watching gradients/activations live in :mod:`labkit.amp`.
 
@@ -20,52 +20,10 @@ import warnings
 
 import pandas as pd
 import torch
-import torch.nn as nn
 
 from . import attention as attn
 
 HALF = (torch.float16, torch.bfloat16)
-
-
-# ----------------------------------------------------------------------------- error metrics
-
-def error_metrics(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
-    """Errors of ``candidate`` against ``reference`` (same shape, any dtypes), computed in fp64.
-
-    Returns max_abs, mean_abs, rel_l2 = ||c - r||_2 / ||r||_2, cosine = <c, r> / (||c|| ||r||)
-    and nonfinite (count of NaN/Inf in candidate). None divides element by element, so values of
-    the reference near zero do not blow the error up (seed 000's mean(|d| / (|r| + 1e-8)) did).
-    """
-    if not isinstance(candidate, torch.Tensor) or not isinstance(reference, torch.Tensor):
-        raise TypeError("error_metrics needs two tensors; wrap numbers with torch.tensor(...).")
-    if candidate.shape != reference.shape:
-        raise ValueError(f"shapes differ: {tuple(candidate.shape)} vs {tuple(reference.shape)}; "
-                         "compare like with like (same layout, same slice).")
-    c, r = candidate.detach().double().cpu().flatten(), reference.detach().double().cpu().flatten()
-    r_norm = float(r.norm())
-    if r_norm == 0.0:
-        raise ValueError("reference is all zeros: relative errors are undefined; use max_abs / mean_abs.")
-    diff = c - r
-    c_norm = float(c.norm())
-    return {"max_abs": float(diff.abs().max()), "mean_abs": float(diff.abs().mean()),
-            "rel_l2": float(diff.norm()) / r_norm,
-            "cosine": float(c @ r) / (c_norm * r_norm) if c_norm > 0 else 0.0,
-            "nonfinite": int((~torch.isfinite(c)).sum())}
-
-
-def error_vs_baseline(candidate: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor,
-                      metric: str = "max_abs") -> float:
-    """err(candidate vs reference) / err(baseline vs reference).
-
-    ``reference`` is the fp32 (or fp64) result, ``baseline`` the plain eager computation in the
-    candidate's own low precision. FlashAttention's test suite accepts a kernel when this ratio is
-    at most 2 ("the 2x rule"): a magic absolute tolerance would ignore what the dtype can do.
-    """
-    err_c = error_metrics(candidate, reference)[metric]
-    err_b = error_metrics(baseline, reference)[metric]
-    if err_b == 0.0:
-        return 1.0 if err_c == 0.0 else math.inf
-    return err_c / err_b
 
 
 # ----------------------------------------------------------------------------- float formats
@@ -178,33 +136,15 @@ def attention_error_row(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch
     ref = attn.reference_attention(q.float(), k.float(), v.float(), causal=causal)[0]
     eager = attn.reference_attention(q, k, v, causal=causal)[0]
     o = attn.attention(q, k, v, causal=causal, backend=backend, nan_policy="ignore")
-    e_b, e_e = error_metrics(o, ref)["max_abs"], error_metrics(eager, ref)["max_abs"]
-    ratio = e_b / e_e if e_e > 0 else (1.0 if e_b == 0 else math.inf)  # as error_vs_baseline
+    e_b, e_e = _max_abs_error(o, ref), _max_abs_error(eager, ref)
+    ratio = e_b / e_e if e_e > 0 else (1.0 if e_b == 0 else math.inf)
     return {"backend": backend, "dtype": str(q.dtype).replace("torch.", ""), "N": q.shape[2], "causal": causal,
             "err_backend": e_b, "err_eager": e_e, "ratio": ratio, "passes": ratio <= 2.0}
 
 
-# ----------------------------------------------------------------------------- LayerNorm
-
-class LayerNormFP32(nn.Module):
-    """LayerNorm over the last dim whose mean and variance are computed in fp32 for any input
-    dtype; the output is cast back to the input's dtype. x: [..., C] -> [..., C]."""
-
-    def __init__(self, normalized_shape: int, eps: float = 1e-5, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(normalized_shape, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(normalized_shape, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.weight.shape[0]:
-            raise ValueError(f"last dim {x.shape[-1]} != normalized_shape {self.weight.shape[0]}.")
-        x32 = x.float()                                    # explicit: statistics in fp32
-        mean = x32.mean(-1, keepdim=True)
-        var = (x32 - mean).pow(2).mean(-1, keepdim=True)   # two-pass: no E[x^2] - E[x]^2 cancellation
-        y = (x32 - mean) * torch.rsqrt(var + self.eps) * self.weight.float() + self.bias.float()
-        return y.to(x.dtype)                               # explicit: back to the caller's dtype
+def _max_abs_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |candidate - reference|, in fp64 (a half-precision difference could round or overflow)."""
+    return float((candidate.detach().double() - reference.detach().double()).abs().max())
 
 
-__all__ = ["CastWarning", "LayerNormFP32", "attention_error_row", "check_flash_dtypes", "error_metrics",
-           "error_vs_baseline", "format_table", "safe_flash_attention"]
+__all__ = ["CastWarning", "attention_error_row", "check_flash_dtypes", "format_table", "safe_flash_attention"]

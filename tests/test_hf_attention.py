@@ -20,7 +20,8 @@ def model():
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return lk.precision.error_metrics(x, ref)["rel_l2"]
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm())
 
 
 def test_the_name_is_in_both_interfaces_once_a_model_uses_it(model):
