@@ -22,7 +22,7 @@ from . import attention as attn
 from . import hf_attention
 from .env import default_device
 from .hf_attention import ATTN_NAME, DEFAULT_BACKEND
-from .measure import free_memory, is_oom, peak_memory, time_fn
+from .measure import allocated_bytes, free_memory, is_oom, peak_memory, time_fn
 
 SIZES = {  # n_layer, n_embd, n_head (head dim 64 except tiny), vocab, positions
     # tiny: bytes as tokens; a wider init so a random model does not just echo its input
@@ -160,11 +160,12 @@ def _status(err: BaseException) -> str:
     return "oom" if is_oom(err) else f"error: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
 
 
-def _measure(step, device: torch.device, target_ms: float) -> tuple[float, float]:
-    """(median ms, absolute peak GiB) of ``step()`` after two warm-up calls (GiB NaN on CPU)."""
+def _measure(step, device: torch.device, target_ms: float, before: float) -> tuple[float, float]:
+    """(median ms, peak GiB) of ``step()`` after two warm-up calls; the peak counts what was
+    allocated since ``before`` (bytes, taken before the model was built), NaN on a CPU."""
     for _ in range(2):  # warm-up: kernels chosen and compiled, optimizer state allocated
         step()
-    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    held = allocated_bytes(device) - before
     extra = peak_memory(step, device=device)  # resets the peak counter first
     timing = time_fn(step, device=device, warmup=0, target_ms=target_ms)
     return timing.median_ms, (held + extra) / 2**30
@@ -178,16 +179,18 @@ def training_throughput(implementation: str, seq_len: int, tokens_per_step: int 
 
     Returns:
         dict with implementation, N, batch, tokens, status ("ok", "oom", "unsupported: ...",
-        "error: ..."), step_ms, tokens_per_s, peak_gib (absolute, NaN on CPU), device, dtype.
+        "error: ..."), step_ms, tokens_per_s, peak_gib (model, optimizer state and the step's peak,
+        not what the process held before; NaN on CPU), device, dtype.
     """
     device = torch.device(device or default_device())
     dtype = dtype or _default_dtype(device)
     batch = max(1, tokens_per_step // seq_len)
     row = dict(implementation=implementation, size=size, N=seq_len, batch=batch, tokens=batch * seq_len,
                checkpointing=checkpointing, device=device.type, dtype=str(dtype).replace("torch.", ""))
+    before = allocated_bytes(device)  # what the process holds already is not this step's
     try:
         ms, gib = _measure(_train_step(implementation, size, seq_len, batch, device, dtype, checkpointing, seed),
-                           device, target_ms)
+                           device, target_ms, before)
         row.update(status="ok", step_ms=ms, tokens_per_s=batch * seq_len / (ms / 1e3), peak_gib=gib)
     except (RuntimeError, MemoryError, ValueError, ImportError, NotImplementedError) as err:
         row.update(status=_status(err), step_ms=float("nan"), tokens_per_s=float("nan"), peak_gib=float("nan"))
@@ -240,7 +243,8 @@ def inference_latency(model, implementation: str, seq_len: int, batch: int = 1, 
     """Forward (no grad, no cache) latency and peak memory of ``model`` with ``implementation``.
 
     Returns:
-        dict with implementation, N, batch, status, ms, tokens_per_s, peak_gib (NaN on CPU).
+        dict with implementation, N, batch, status, ms, tokens_per_s, peak_gib (the model's weights and
+        the forward's peak, not other tensors the process holds; NaN on CPU).
     """
     device = next(model.parameters()).device
     dtype = dtype or _default_dtype(device)
@@ -253,7 +257,8 @@ def inference_latency(model, implementation: str, seq_len: int, batch: int = 1, 
             with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 return model(input_ids=ids, use_cache=False).logits
 
-        ms, gib = _measure(forward, device, target_ms)
+        weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        ms, gib = _measure(forward, device, target_ms, allocated_bytes(device) - weights)
         row.update(status="ok", ms=ms, tokens_per_s=batch * seq_len / (ms / 1e3), peak_gib=gib)
     except (RuntimeError, MemoryError, ValueError, ImportError) as err:
         row.update(status=_status(err), ms=float("nan"), tokens_per_s=float("nan"), peak_gib=float("nan"))

@@ -26,7 +26,7 @@ import torch
 from . import attention as attn
 from . import gpt2, levers, longmem, rope
 from .env import default_device
-from .measure import call_ms, free_memory, is_oom, peak_memory
+from .measure import allocated_bytes, call_ms, free_memory, is_oom, peak_memory
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ def compare_attention(seq_lens: Iterable[int] = (32768, 65536, 131072), *,
     device, impls, rows = torch.device(device or default_device()), list(implementations), []
     cfg, shape = CONFIGS[config], longmem.model_shape(gpt2.gpt2_config(size))
     for n in seq_lens:
+        before = allocated_bytes(device)  # what the process holds already is not this model's
         step, model = train_step(cfg, size, n, device=device, dtype=dtype, chunk_size=chunk_size, seed=seed)
         losses = {}
         for impl in impls:  # every loss on the same initial weights
@@ -135,7 +136,7 @@ def compare_attention(seq_lens: Iterable[int] = (32768, 65536, 131072), *,
                 if impl in peaks:
                     times[impl].append(call_ms(step, device=device))
                 else:
-                    peaks[impl] = _held(device) + peak_memory(lambda: times[impl].append(call_ms(step, device=device)),
+                    peaks[impl] = allocated_bytes(device) - before + peak_memory(lambda: times[impl].append(call_ms(step, device=device)),
                                                               device=device)
         for impl in impls:
             ms = sorted(times[impl])[len(times[impl]) // 2]
@@ -146,11 +147,6 @@ def compare_attention(seq_lens: Iterable[int] = (32768, 65536, 131072), *,
     df = pd.DataFrame(rows)
     sdpa = df[df.implementation == "sdpa"].set_index("N")["tokens_per_s"]
     return df.assign(vs_sdpa=df.tokens_per_s / df.N.map(sdpa) if len(sdpa) else math.nan)
-
-
-def _held(device: torch.device) -> float:
-    """Bytes allocated now (weights, optimizer state): NaN on a CPU, where nothing is counted."""
-    return float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else math.nan
 
 
 def longest_sequence(configs: Iterable[str] = tuple(CONFIGS), *, size: str = "small", start: int = 2048,
@@ -239,10 +235,11 @@ def _measure_row(row: dict, cfg: LongConfig, size: str, n: int, device: torch.de
                  chunk_size: int, max_step_s: float) -> str:
     """Fill ``row`` with one measured step at N; returns why the search stops here ("" to go on)."""
     losses: list[float] = []
+    before = allocated_bytes(device)  # what the process holds already (earlier cells' tensors) is not this step's
     try:
         step, model = train_step(cfg, size, n, device=device, dtype=dtype, chunk_size=chunk_size)
         step(min(n, 2048))  # warm-up on a prefix: kernels chosen, AdamW state allocated
-        held = _held(device)
+        held = allocated_bytes(device) - before
         ms: list[float] = []
         extra = peak_memory(lambda: ms.append(call_ms(lambda: losses.append(step()), device=device)), device=device)
         row.update(step_s=ms[0] / 1e3, tokens_per_s=n / (ms[0] / 1e3), peak_gib=(held + extra) / 2**30,

@@ -199,6 +199,17 @@ def call_ms(fn: Callable[[], object], *, device=None) -> float:
     return read()
 
 
+def allocated_bytes(device=None) -> float:
+    """Bytes of live tensors on ``device`` now (the caching allocator's count); NaN on a CPU.
+
+    A training step's peak is this after the model and its optimizer state exist, minus the same
+    before they were built, plus :func:`peak_memory` of the step: what the rest of the process
+    still holds (tensors of earlier notebook cells, say) is not the step's.
+    """
+    device = as_device(device)
+    return float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else float("nan")
+
+
 def peak_memory(fn: Callable[[], object], *, device=None) -> float:
     """Extra GPU bytes allocated at the peak of ``fn()``, above what was allocated before.
 

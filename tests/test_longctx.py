@@ -107,6 +107,18 @@ def test_memory_model_matches_measured_peak(config, n):
 
 
 @pytest.mark.gpu
+def test_measured_peak_does_not_count_what_the_process_already_holds():
+    def peak():
+        return longctx.longest_sequence(["flash+ckpt+chunked"], start=16384, max_len=16384, progress=False).iloc[0].peak_gib
+
+    alone = peak()
+    ballast = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")  # e.g. an earlier notebook cell's tensors
+    with_ballast = peak()
+    del ballast
+    assert with_ballast == pytest.approx(alone, abs=0.05), (alone, with_ballast)
+
+
+@pytest.mark.gpu
 def test_labkit_attention_trains_as_fast_as_sdpa_with_the_same_loss():
     df = longctx.compare_attention([32768], rounds=3)
     sdpa, labkit = df.iloc[0], df.iloc[1]
