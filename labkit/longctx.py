@@ -136,8 +136,8 @@ def compare_attention(seq_lens: Iterable[int] = (32768, 65536, 131072), *,
                 if impl in peaks:
                     times[impl].append(call_ms(step, device=device))
                 else:
-                    peaks[impl] = allocated_bytes(device) - before + peak_memory(lambda: times[impl].append(call_ms(step, device=device)),
-                                                              device=device)
+                    timed = peak_memory(lambda: times[impl].append(call_ms(step, device=device)), device=device)
+                    peaks[impl] = allocated_bytes(device) - before + timed
         for impl in impls:
             ms = sorted(times[impl])[len(times[impl]) // 2]
             rows.append(dict(N=n, implementation=impl, backend=_named(impl, shape, n, device, dtype), loss=losses[impl],
