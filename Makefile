@@ -4,26 +4,40 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # torch==2.13.0 from PyPI is the CUDA build on Linux; set TORCH to pick another wheel.
 TORCH  ?= torch==2.13.0
+# The lock: exact versions of every other dependency (pip constraints), the ones `make test` passed
+# with. `make test-latest` tries the newest versions pyproject allows; `make lock` rewrites the lock.
+LOCK   ?= constraints.txt
+LATEST := .venv-latest
 # nbgrader calls `alembic` from PATH when it creates the gradebook.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 ASSIGNMENTS := $(notdir $(wildcard solutions/[0-9]*))
 # JupyterLab refuses to start as root (most GPU containers and cloud images) without --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test release doctor bench execute bundle
+.PHONY: setup lab test test-latest lock release doctor bench execute bundle
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install "$(TORCH)" -e ".[lab,dev]"
+	$(PY) -m pip install $(if $(LOCK),-c $(LOCK)) $(TORCH) -e ".[lab,dev]"
 	touch $@
 
 lab: setup            ## open the course in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks/ $(ALLOW_ROOT)
 
 test: setup           ## unit tests, release consistency, autograde round trip, solution notebooks (cpu profile)
-	LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests/ \
+	LABKIT_LOCK=$(LOCK) LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests/ \
 	  --nbval-lax --nbval-current-env solutions/
+
+test-latest:          ## the same tests on the newest versions pyproject allows, in $(LATEST) (not part of CI)
+	rm -rf $(LATEST)
+	$(MAKE) test VENV=$(LATEST) LOCK=
+
+lock:                 ## rewrite the lock from $(LATEST) (run `make test-latest` first and read its result)
+	$(MAKE) setup VENV=$(LATEST) LOCK=
+	{ echo "# The lock: exact versions for pip -c (torch comes from TORCH in the Makefile). Written by"; \
+	  echo "# \`make lock\` from $(LATEST) on Python $$($(LATEST)/bin/python -c 'import platform; print(platform.python_version())'); refresh: README, Reproducible installs."; \
+	  $(LATEST)/bin/python -m pip freeze --all --exclude-editable | grep -Ev '^(pip|torch)=='; } > constraints.txt
 
 release: setup        ## regenerate notebooks/ from solutions/
 	for a in $(ASSIGNMENTS); do $(VENV)/bin/nbgrader generate_assignment $$a --force || exit 1; done

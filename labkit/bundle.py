@@ -1,7 +1,7 @@
 """The student bundle: everything a student needs, nothing an instructor keeps.
 
 ``python -m labkit bundle`` (``make bundle``) zips the student notebooks, the labkit package and
-the files that install them (README, environment.yml, pyproject.toml, Makefile) into
+the files that install them (README, environment.yml, pyproject.toml, the lock, Makefile) into
 ``build/student-bundle.zip``, under one top folder. Before writing, it scans every file for
 leaks and refuses to write a bundle that has any:
 
@@ -23,7 +23,7 @@ import zipfile
 from pathlib import Path
 
 TOP_FOLDER = "lab-1.5-flashattention"
-BUNDLE_FILES = ("README.md", "environment.yml", "pyproject.toml", "Makefile")
+BUNDLE_FILES = ("README.md", "environment.yml", "pyproject.toml", "constraints.txt", "Makefile")
 BUNDLE_DIRS = ("notebooks", "labkit")
 EXCLUDED_PARTS = {"__pycache__", ".ipynb_checkpoints"}
 FORBIDDEN_DIRS = ("solutions", "tests")

@@ -32,7 +32,7 @@ def _strip_top(files: dict[str, bytes]) -> dict[str, bytes]:
 
 def test_bundle_holds_the_student_course(built):
     files = _strip_top(built)
-    for name in ("README.md", "environment.yml", "pyproject.toml", "Makefile", "labkit/__init__.py"):
+    for name in ("README.md", "environment.yml", "pyproject.toml", "constraints.txt", "Makefile", "labkit/__init__.py"):
         assert name in files
     committed = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "notebooks").rglob("*.ipynb"))
     assert committed and sorted(n for n in files if n.endswith(".ipynb")) == committed

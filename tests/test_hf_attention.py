@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit import gpt2, hf_attention
+from labkit import gpt2, hf_attention, hfcompat
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,7 +82,7 @@ def test_record_calls_sees_what_gpt2_passes(model):
         with hf_attention.record_calls() as padded, torch.no_grad():
             out = model(input_ids=ids, attention_mask=pad, use_cache=True)
             with hf_attention.record_calls() as decode:  # the innermost recorder gets the calls
-                model(input_ids=ids[:, :1], past_key_values=out.past_key_values,
+                model(input_ids=ids[:, :1], **hfcompat.cache_kwarg(model, hfcompat.returned_cache(out)),
                       attention_mask=torch.cat([pad, torch.ones(2, 1, dtype=torch.long)], dim=1))
     finally:
         gpt2.set_attention(model, "eager")
