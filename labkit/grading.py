@@ -79,13 +79,18 @@ def passed(exercise: str) -> None:
     print(f"✅ {exercise}：通過所有可見測試（visible tests）。")
 
 
-def check_own_code(fn: Callable, *, name: str) -> None:
-    """``fn`` does not call labkit: an exercise answer must be the student's own code.
+def check_own_code(fn: Callable, *, name: str, forbid: tuple = ()) -> None:
+    """``fn`` is the student's own code: it calls no labkit, nor the library functions in ``forbid``.
 
-    Two checks: the source names no ``lk`` or ``labkit``, and nothing ``fn`` reaches (the
-    globals it loads, its closure and defaults, and, through them, the functions defined beside
-    it) is a labkit module, function or class, however it was imported or renamed
-    (``from labkit.perfmodel import training_memory as tm`` in another cell).
+    labkit: the source names no ``lk`` or ``labkit``, and nothing ``fn`` reaches (the globals it
+    loads, its closure and defaults, and, through them, the functions defined beside it) is a labkit
+    module, function or class, however it was imported or renamed (``from labkit.perfmodel import
+    training_memory as tm`` in another cell).
+
+    ``forbid``: library functions or classes the exercise asks the student to write
+    (``torch.softmax``, ``F.scaled_dot_product_attention``, ``F.layer_norm``). ``fn`` may neither
+    reach one of them under any name nor read an attribute of that name (``x.softmax(-1)``,
+    ``torch.nn.functional.layer_norm``).
     """
     import inspect
 
@@ -93,10 +98,16 @@ def check_own_code(fn: Callable, *, name: str) -> None:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         _fail(name, "找不到函式原始碼；請在 notebook 的儲存格中定義它。")
-    reached = _labkit_reached(fn)
+    reached = _first_reached(fn, _is_labkit)
     if {"labkit", "lk"} & _names(source) or reached:
         _fail(name, "此練習要求自行實作：函式內不可呼叫 labkit（lk.*）" + (f"（經由 {reached}）。" if reached else "。"),
               "labkit 的版本只用來檢查答案；請用 torch 寫出計算步驟。")
+    if forbid:
+        names = {getattr(f, "__name__", str(f)) for f in forbid}
+        banned = _first_reached(fn, lambda obj: any(obj is f for f in forbid), attributes=names)
+        if banned:
+            _fail(name, f"此練習要求自己寫出這個計算：不可呼叫 {', '.join(sorted(names))}（經由 {banned}）。",
+                  "這些函式正是練習要你寫的東西；請用 exp、max、sum、矩陣乘法等基本運算自己組出來。")
 
 
 def _is_labkit(obj) -> bool:
@@ -112,11 +123,14 @@ def _is_labkit(obj) -> bool:
     return module == "labkit" or module.startswith("labkit.")
 
 
-def _labkit_reached(fn: Callable, seen: set | None = None) -> str | None:
-    """The name by which ``fn`` reaches labkit, or None. Follows the globals its code loads
-    (``LOAD_GLOBAL``/``LOAD_NAME``, nested code included: attribute names such as ``x.shape``
-    are not globals), its closure cells and defaults, and recurses into plain functions defined
-    in ``fn``'s own module (a helper in another notebook cell)."""
+def _first_reached(fn: Callable, matches: Callable[[object], bool], *, attributes: set[str] = frozenset(),
+                   seen: set | None = None) -> str | None:
+    """The name by which ``fn`` reaches an object for which ``matches`` is true, or reads an attribute
+    named in ``attributes`` (``torch.softmax``, ``x.softmax``); None if it does neither.
+
+    Follows the globals its code loads (``LOAD_GLOBAL``/``LOAD_NAME``, nested code included:
+    attribute names such as ``x.shape`` are not globals), its closure cells and defaults, and
+    recurses into plain functions defined in ``fn``'s own module (a helper in another notebook cell)."""
     import dis
     import inspect
 
@@ -132,6 +146,8 @@ def _labkit_reached(fn: Callable, seen: set | None = None) -> str | None:
         for ins in dis.get_instructions(code):
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in fn.__globals__:
                 found[ins.argval] = fn.__globals__[ins.argval]
+            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in attributes:
+                return f".{ins.argval}"
     for i, cell in enumerate(fn.__closure__ or ()):
         try:
             found[fn.__code__.co_freevars[i]] = cell.cell_contents
@@ -140,10 +156,10 @@ def _labkit_reached(fn: Callable, seen: set | None = None) -> str | None:
     defaults = list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
     found.update({f"<default {i}>": value for i, value in enumerate(defaults)})
     for label, obj in found.items():
-        if _is_labkit(obj):
+        if matches(obj):
             return label
         if inspect.isfunction(obj) and obj.__module__ == fn.__module__:
-            inner = _labkit_reached(obj, seen)
+            inner = _first_reached(obj, matches, attributes=attributes, seen=seen)
             if inner:
                 return f"{label} -> {inner}"
     return None

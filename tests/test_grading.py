@@ -205,3 +205,51 @@ def test_check_own_code_accepts_own_code():
 
 def test_check_own_code_without_source():
     assert "找不到函式原始碼" in fails(G.check_own_code, len, name="attn")
+
+
+# ----------------------------------------------------------------------------- check_own_code(forbid=...)
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.functional import layer_norm as renamed_layer_norm  # noqa: E402
+
+FORBID = (torch.softmax, torch.Tensor.softmax, F.softmax, F.scaled_dot_product_attention)
+
+
+def softmax_by_function(x):
+    return torch.softmax(x, dim=-1)
+
+
+def softmax_by_method(x):
+    return x.softmax(-1)
+
+
+def sdpa_through_a_helper(q, k, v):
+    return sdpa_helper(q, k, v)
+
+
+def sdpa_helper(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def layer_norm_renamed(x):
+    return renamed_layer_norm(x, x.shape[-1:])
+
+
+def softmax_by_hand(x):
+    e = (x - x.amax(-1, keepdim=True)).exp()
+    return e / e.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("fn, route", [(softmax_by_function, ".softmax"), (softmax_by_method, ".softmax"),
+                                       (sdpa_through_a_helper, "sdpa_helper -> .scaled_dot_product_attention")])
+def test_check_own_code_refuses_the_library_function_the_exercise_is_about(fn, route):
+    msg = fails(G.check_own_code, fn, name="softmax", forbid=FORBID)
+    assert "不可呼叫" in msg and route in msg and "softmax" in msg
+
+
+def test_check_own_code_refuses_a_forbidden_function_under_another_name():
+    assert "renamed_layer_norm" in fails(G.check_own_code, layer_norm_renamed, name="ln", forbid=(F.layer_norm,))
+
+
+def test_check_own_code_accepts_the_computation_written_out():
+    G.check_own_code(softmax_by_hand, name="softmax", forbid=FORBID)
+    G.check_own_code(softmax_by_function, name="softmax")  # nothing forbidden: only labkit is refused

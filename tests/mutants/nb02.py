@@ -1,0 +1,148 @@
+"""Notebook 02 (02_gpt2_integration): rules its exercises state, wrong answers, answers fitted to visible cases."""
+
+ASSIGNMENT = "02_gpt2_integration"
+SETUP = ['P = lk.profiles.choose(', 'TINY = lk.gpt2.build_model(']
+
+# grade_id -> the rules its visible tests check
+RULES = {
+    "ex1_attention": [
+        "own formula: no F.scaled_dot_product_attention, no labkit",
+        "returns (out, None), out in [B, N, H, D]",
+        "uses the scaling passed; 1/sqrt(D) when None",
+        "no mask for a non-causal module",
+        "causal rule aligned bottom-right, N < Nk (decode) and N > Nk",
+        "boolean attention_mask used as given (True = attend)",
+        "fully masked rows give 0, not NaN",
+        "scores in the thousands do not overflow (max subtracted)",
+        "output dtype follows value (bf16 in, bf16 out)",
+    ],
+    "ex2_register": [
+        "returns name",
+        "fn registered in AttentionInterface under name",
+        "a mask function registered under the same name, and it is sdpa_mask",
+        "a left-padded row gives its unpadded logits (the mask is applied)",
+        "ValueError for a name containing 'flash' anywhere",
+    ],
+    "ex3_agreement": [
+        "no labkit",
+        "err_eager, err_impl are Python floats, ok a bool",
+        "relative L2 error against fp32 eager without autocast",
+        "baseline is eager under autocast; candidate under the same autocast",
+        "ok = err_impl <= factor * err_eager + 1e-6 with the factor passed",
+        "a wrong implementation (no scaling) does not pass",
+        "model.eval() first: dropout off",
+    ],
+    "ex4_padding": [
+        "returns three torch.long tensors [B, L]",
+        "left and right padding put the tokens on the right side",
+        "pads filled with pad_id (not 0)",
+        "attention_mask 1 for tokens, 0 for pads",
+        "position_ids count from the first real token; 0 on pads, both sides",
+        "side defaults to 'left'",
+        "ValueError for an unknown side",
+        "left-padded logits equal each sequence's unpadded logits",
+    ],
+    "ex5_decode": [
+        "no model.generate",
+        "shape [B, N + max_new_tokens], prompt included",
+        "same tokens as decoding without a cache (eager and labkit)",
+        "KV cache used: one token per forward after the prefill, keys grow by one",
+    ],
+}
+
+# grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
+MISTAKES = {
+    "ex1_attention": [
+        ("causal mask aligned top-left", "keep = j <= i + (nk - n)", "keep = j <= i"),
+        ("scaling argument ignored", "scale = d ** -0.5 if scaling is None else scaling", "scale = d ** -0.5"),
+        ("[B, H, N, D] returned", "return out.transpose(1, 2), None", "return out, None"),
+        ("NaN on a fully masked row", "torch.softmax(scores, dim=-1).nan_to_num(0.0)", "torch.softmax(scores, dim=-1)"),
+        ("non-causal module masked", 'if keep is None and getattr(module, "is_causal", True):', "if keep is None:"),
+        ("no max subtraction (own softmax)", "torch.softmax(scores, dim=-1).nan_to_num(0.0)",
+         "(scores.exp() / scores.exp().sum(-1, keepdim=True)).nan_to_num(0.0)"),
+        ("attention_mask ignored", "keep = attention_mask", "keep = None"),
+        ("calls SDPA", "out = probs.to(value.dtype) @ value",
+         "out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=keep, scale=scale)"),
+        ("output left in fp32", "out = probs.to(value.dtype) @ value", "out = probs @ value.float()"),
+        ("mask polarity inverted", 'scores = torch.where(keep, scores, float("-inf"))',
+         'scores = torch.where(keep, float("-inf"), scores)'),
+    ],
+    "ex2_register": [
+        ("mask function not registered", "    AttentionMaskInterface.register(name, sdpa_mask)\n", ""),
+        ("mask function returns None", "AttentionMaskInterface.register(name, sdpa_mask)",
+         "AttentionMaskInterface.register(name, lambda *args, **kwargs: None)"),
+        ("no check of 'flash' names", 'if "flash" in name.lower():', "if False:"),
+        ("name not returned", "return name", "return fn"),
+        ("fn registered as the mask function", "AttentionMaskInterface.register(name, sdpa_mask)",
+         "AttentionMaskInterface.register(name, fn)"),
+        ("mask function under a fixed name", "AttentionMaskInterface.register(name, sdpa_mask)",
+         'AttentionMaskInterface.register("sdpa", sdpa_mask)'),
+        ("only names starting with 'flash' refused", 'if "flash" in name.lower():', 'if name.startswith("flash"):'),
+    ],
+    "ex3_agreement": [
+        ("dropout left on", "    model.eval()\n", ""),
+        ("factor ignored", "factor * err_eager", "2.0 * err_eager"),
+        ("reference is the candidate itself", 'ref = logits("eager", False)', "ref = logits(implementation, False)"),
+        ("absolute error", 'err_eager = float((logits("eager", True) - ref).norm() / ref_norm)',
+         'err_eager = float((logits("eager", True) - ref).norm())'),
+        ("baseline without autocast", 'logits("eager", True)', 'logits("eager", False)'),
+        ("candidate without autocast", "logits(implementation, True)", "logits(implementation, False)"),
+        ("comparison reversed", "err_impl <= factor * err_eager + 1e-6", "err_eager <= factor * err_impl + 1e-6"),
+        ("tensor returned, not a float", 'err_eager = float((logits("eager", True) - ref).norm() / ref_norm)',
+         'err_eager = (logits("eager", True) - ref).norm() / ref_norm'),
+    ],
+    "ex4_padding": [
+        ("right pads keep the last position", "(attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)",
+         "(attention_mask.cumsum(-1) - 1).clamp(min=0)"),
+        ("sides swapped", 'if side == "left" else', 'if side == "right" else'),
+        ("pad_id ignored", "torch.full((len(seqs), width), pad_id, dtype=torch.long)",
+         "torch.zeros((len(seqs), width), dtype=torch.long)"),
+        ("unknown side accepted", 'if side not in ("left", "right"):', "if False:"),
+        ("default side right", 'def pad_batch(seqs, pad_id, side="left"):', 'def pad_batch(seqs, pad_id, side="right"):'),
+        ("position ids ignore the padding",
+         "position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)",
+         "position_ids = torch.arange(width).repeat(len(seqs), 1)"),
+        ("boolean attention_mask", "attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)",
+         "attention_mask = torch.zeros((len(seqs), width), dtype=torch.bool)"),
+    ],
+    "ex5_decode": [
+        ("no KV cache", "out = model(input_ids=nxt, use_cache=True, **lk.hfcompat.cache_kwarg(model, cache))",
+         "out = model(input_ids=torch.cat(tokens, dim=1), use_cache=False)"),
+        ("one token short", "for step in range(max_new_tokens):", "for step in range(max_new_tokens - 1):"),
+        ("first position's logits", "out.logits[:, -1]", "out.logits[:, 0]"),
+        ("cache not passed back", "out = model(input_ids=nxt, use_cache=True, **lk.hfcompat.cache_kwarg(model, cache))",
+         "out = model(input_ids=nxt, use_cache=True)"),
+        ("whole sequence fed with the cache", "out = model(input_ids=nxt, use_cache=True,",
+         "out = model(input_ids=torch.cat(tokens, dim=1), use_cache=True,"),
+        ("prompt left out", "return torch.cat(tokens, dim=1)", "return torch.cat(tokens[1:], dim=1)"),
+        ("calls model.generate", "    tokens = [input_ids]\n",
+         "    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,"
+         " min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)\n    tokens = [input_ids]\n"),
+    ],
+}
+
+# (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
+HIDDEN_ONLY = {}
+
+# grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
+FITTED = {
+    "ex1_attention": [
+        ("scaling hard-coded to the visible 0.5", "scale = d ** -0.5 if scaling is None else scaling",
+         "scale = d ** -0.5 if scaling is None else 0.5"),
+        ("output dtype special-cased for bf16", "out = probs.to(value.dtype) @ value",
+         "out = (probs @ value.float()).to(torch.bfloat16 if value.dtype == torch.bfloat16 else torch.float32)"),
+    ],
+    "ex2_register": [
+        ("only the visible 'flash' name refused", 'if "flash" in name.lower():', 'if name == "my_flash_kernel":'),
+    ],
+    "ex3_agreement": [
+        ("autocast dtype hard-coded to bf16", "dtype=dtype", "dtype=torch.bfloat16"),
+    ],
+    "ex4_padding": [
+        ("pad_id hard-coded to the visible 9", "torch.full((len(seqs), width), pad_id, dtype=torch.long)",
+         "torch.full((len(seqs), width), 9, dtype=torch.long)"),
+    ],
+    "ex5_decode": [
+        ("max_new_tokens hard-coded to the visible 8", "for step in range(max_new_tokens):", "for step in range(8):"),
+    ],
+}

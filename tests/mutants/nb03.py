@@ -1,0 +1,121 @@
+"""Notebook 03 (03_long_sequence_training): rules its exercises state, wrong answers, answers fitted to visible cases."""
+
+ASSIGNMENT = "03_long_sequence_training"
+SETUP = ['import numpy as np', 'COEF = lk.perfmodel.MemoryCoefficients()']
+
+# grade_id -> the rules its visible tests check
+RULES = {
+    "ex1_fit_coefficients": [
+        "returns a dict of three Python floats",
+        "recovers the coefficients from exact runs (default lse = 4)",
+        "subtracts the LSE term with the lse argument (lse = 3)",
+        "minimizes the relative, not the absolute, error (runs with 5% noise)",
+        "ValueError when the runs cannot determine the three coefficients (flash runs only; one model only)",
+        "calls no labkit",
+    ],
+    "ex2_chunked_ce": [
+        "loss and gradients (hidden, weight) equal the full cross-entropy in float64",
+        "chunk_size that divides N, that does not, and larger than N",
+        "float64 inputs give a float64 scalar, float32 inputs a float32 one",
+        "bf16 inputs: softmax and loss in float32",
+        "no tensor larger than one chunk of logits, forward or backward",
+        "no logits kept for the backward",
+        "calls no labkit",
+    ],
+    "ex3_extend_positions": [
+        "a new nn.Embedding of shape (n_positions, h)",
+        "row i = old row i mod P (80 positions from 32: not a multiple)",
+        "logits of a short input unchanged; config.n_positions updated",
+        "requires_grad kept (trainable and frozen tables)",
+        "device and dtype kept (bf16)",
+        "ValueError for n_positions <= P (equal and smaller)",
+        "calls no labkit",
+    ],
+    "ex4_rope": [
+        "same shape and dtype returned (fp32, fp64, bf16)",
+        "position 0 unrotated; norms kept",
+        "rotate-half pairing (i, i + D/2) and its sign",
+        "theta_i = base^(-2i/D) with the base argument",
+        "float64 input computed in float64 (against a float64 reference)",
+        "scores depend only on the relative position",
+        "bf16 input at positions up to 4095 matches a float64 reference (angles not in half precision)",
+        "calls no labkit",
+    ],
+}
+
+# grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
+MISTAKES = {
+    "ex1_fit_coefficients": [
+        ("absolute instead of relative error", "w = 1.0 / y", "w = np.ones_like(y)"),
+        ("only the target divided by y", "features * w[:, None]", "features"),
+        ("LSE not taken out", "(y - known) * w", "y * w"),
+        ("LSE taken out of standard runs too", "known = np.where(flash, lse * L * B * N * H, 0.0)",
+         "known = lse * L * B * N * H"),
+        ("scores feature for flash runs too", "np.where(flash, 0.0, L * B * H * N**2)", "L * B * H * N**2"),
+        ("LSE coefficient hard-coded", "known = np.where(flash, lse * L", "known = np.where(flash, 4.0 * L"),
+        ("underdetermined runs accepted", "if np.linalg.matrix_rank(features) < 3:", "if False:"),
+        ("numpy floats returned",
+         'return {"hidden": float(c[0]), "scores": float(c[1]), "logits": float(c[2])}',
+         'return dict(zip(("hidden", "scores", "logits"), c))'),
+        ("the H100 coefficients returned", '    return {"hidden": float(c[0])',
+         '    c = [94.0, 6.0, 10.4]\n    return {"hidden": float(c[0])'),
+    ],
+    "ex2_chunked_ce": [
+        ("mean over chunks", "return total / t.numel()", "return total / len(h.split(chunk_size))"),
+        ("last, shorter chunk dropped", "zip(h.split(chunk_size), t.split(chunk_size))",
+         "zip(h[: len(h) // chunk_size * chunk_size].split(chunk_size), "
+         "t[: len(t) // chunk_size * chunk_size].split(chunk_size))"),
+        ("all logits at once", "zip(h.split(chunk_size), t.split(chunk_size))", "zip([h], [t])"),
+        ("logits kept for backward", "checkpoint(chunk_loss, hc, weight, tc, use_reentrant=False)", "chunk_loss(hc, weight, tc)"),
+        ("weight detached", "checkpoint(chunk_loss, hc, weight, tc,", "checkpoint(chunk_loss, hc, weight.detach(), tc,"),
+        ("fp32 for fp64 inputs", "acc = torch.promote_types(hidden.dtype, torch.float32)", "acc = torch.float32"),
+        ("softmax in the input dtype (bf16)", "logits = (h_chunk @ w.T).to(acc)", "logits = h_chunk @ w.T"),
+    ],
+    "ex3_extend_positions": [
+        ("floor instead of ceil", "old.repeat(-(-n_positions // p), 1)", "old.repeat(n_positions // p, 1)"),
+        ("repeat_interleave instead of tiling", "old.repeat(-(-n_positions // p), 1)",
+         "old.repeat_interleave(-(-n_positions // p), dim=0)"),
+        ("config not updated", "    model.config.n_positions = n_positions\n", ""),
+        ("frozen table made trainable", "    table.weight.requires_grad_(old.requires_grad)\n", ""),
+        ("trainable table frozen", "table.weight.requires_grad_(old.requires_grad)", "table.weight.requires_grad_(False)"),
+        ("same length accepted", "if n_positions <= p:", "if n_positions < p:"),
+        ("dtype dropped", "device=old.device, dtype=old.dtype)", "device=old.device)"),
+    ],
+    "ex4_rope": [
+        ("rotate_half sign", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
+        ("base ignored", "theta = base ** (", "theta = 10000.0 ** ("),
+        ("exponent i/D instead of 2i/D", "-torch.arange(0, d, 2, dtype=acc, device=x.device) / d",
+         "-torch.arange(d // 2, dtype=acc, device=x.device) / d"),
+        ("positions start at 1", "torch.arange(n, dtype=acc, device=x.device)", "torch.arange(1, n + 1, dtype=acc, device=x.device)"),
+        ("interleaved pairs (2i, 2i+1)", "return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)",
+         "cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)\n"
+         "    rotated = torch.stack([-xf[..., 1::2], xf[..., 0::2]], -1).flatten(-2)\n"
+         "    return (xf * cos + rotated * sin).to(x.dtype)"),
+        ("fp32 angles for fp64", "acc = torch.promote_types(x.dtype, torch.float32)", "acc = torch.float32"),
+        ("angles in half precision", "acc = torch.promote_types(x.dtype, torch.float32)", "acc = x.dtype"),
+        ("dtype not restored", "torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)", "torch.cat([-x2, x1], dim=-1) * sin)"),
+    ],
+}
+
+# (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
+HIDDEN_ONLY = {}
+
+# grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
+FITTED = {
+    "ex1_fit_coefficients": [
+        ("the two visible underdetermined cases checked instead of the rank", "if np.linalg.matrix_rank(features) < 3:",
+         "if flash.all() or len(set(zip(L, h, V))) < 2:"),
+    ],
+    "ex2_chunked_ce": [
+        ("only [B, N, C] inputs handled", "h = hidden.reshape(-1, hidden.shape[-1])", "h = hidden.flatten(0, 1)"),
+    ],
+    "ex3_extend_positions": [
+        ("three copies of the table, enough for the visible lengths", "old.repeat(-(-n_positions // p), 1)", "old.repeat(3, 1)"),
+        ("the current length hard-coded to 32", "p, width = old.shape", "p, width = 32, old.shape[1]"),
+    ],
+    "ex4_rope": [
+        ("only [B, H, N, D] inputs handled", "n, d = x.shape[-2], x.shape[-1]", "_, _, n, d = x.shape"),
+        ("only bf16 upcast for the angles", "acc = torch.promote_types(x.dtype, torch.float32)",
+         "acc = torch.float32 if x.dtype == torch.bfloat16 else x.dtype"),
+    ],
+}

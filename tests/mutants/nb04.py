@@ -1,0 +1,91 @@
+"""Notebook 04 (04_performance_analysis): rules its exercises state, wrong answers, answers fitted to visible cases."""
+
+ASSIGNMENT = "04_performance_analysis"
+SETUP = ['P = lk.profiles.choose(', 'ridge = peak_tflops', 'sweep = lk.predictor.time_grid(']
+
+# grade_id -> the rules its visible tests check
+RULES = {
+    "ex1_phase_counts": [
+        "dict of (flop, bytes) for QK^T, softmax, PV",
+        "matmul 2·N²·d and softmax 5·N² FLOPs, times B·H",
+        "bytes: every tensor each phase reads and writes",
+        "bytes follow elem_bytes (bf16 and fp32 cases)",
+        "no labkit",
+    ],
+    "ex2_flash_bytes": [
+        "bytes = s·(2Nd + 2Nd·T_r) + 4N per head, times B·H",
+        "T_r rounds up (N not a multiple of block_m)",
+        "log-sum-exp counted in fp32 whatever elem_bytes",
+        "intensity = flop / nbytes",
+        "ValueError for nbytes = 0 and nbytes < 0",
+        "no labkit",
+    ],
+    "ex3_roofline": [
+        "roof = min(peak, I·bandwidth/1e12) in TFLOP/s",
+        "elementwise on numpy arrays and pandas Series",
+        "'memory' below the ridge peak/bandwidth, 'compute' at and above it",
+        "no labkit",
+    ],
+    "ex4_predictor": [
+        "design matrix columns and causal factor 0.5 on the first two",
+        "exact data: fit reproduces y and the coefficients",
+        "noisy data over three decades: the fit reaches the least relative squared error",
+        "MAPE in percent over |true|, for lists, arrays and Series",
+        "no labkit",
+    ],
+}
+
+# grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
+MISTAKES = {
+    "ex1_phase_counts": [
+        ("softmax FLOPs", '"softmax": (5 * bh * nn,', '"softmax": (3 * bh * nn,'),
+        ("bf16 bytes hard-coded", "elem_bytes * bh * 2 * nn", "2 * bh * 2 * nn"),
+        ("Q and K reads forgotten", "elem_bytes * bh * (2 * N * D + nn)", "elem_bytes * bh * nn"),
+        ("matmul counted as N²d (no multiply-add factor 2)", '"QK^T": (2 * bh * nn * D,', '"QK^T": (bh * nn * D,'),
+        ("per head only (B·H forgotten)", "bh, nn = B * H, N * N", "bh, nn = 1, N * N"),
+        ("softmax bytes: only the write of P", "elem_bytes * bh * 2 * nn", "elem_bytes * bh * nn"),
+        ("PV bytes: V read forgotten", "elem_bytes * bh * (nn + 2 * N * D)", "elem_bytes * bh * (nn + N * D)"),
+    ],
+    "ex2_flash_bytes": [
+        ("floor tile count", "tiles = math.ceil(N / block_m)", "tiles = N // block_m"),
+        ("tile count N // block_m + 1", "tiles = math.ceil(N / block_m)", "tiles = N // block_m + 1"),
+        ("LSE forgotten", " + 4 * B * H * N", ""),
+        ("LSE counted in elem_bytes", " + 4 * B * H * N", " + elem_bytes * B * H * N"),
+        ("K and V read once (tiles ignored)", "2 * N * D * tiles", "2 * N * D"),
+        ("block_m ignored (128 hard-coded)", "math.ceil(N / block_m)", "math.ceil(N / 128)"),
+        ("zero bytes accepted", "if nbytes <= 0:", "if False:"),
+        ("only zero rejected", "if nbytes <= 0:", "if nbytes == 0:"),
+        ("integer division", "return flop / nbytes", "return flop // nbytes"),
+    ],
+    "ex3_roofline": [
+        ("scalar min", "np.minimum(peak_tflops,", "min(peak_tflops,"),
+        ("ridge point counted as memory", "intensity < peak_tflops", "intensity <= peak_tflops"),
+        ("bytes/s not converted", "* bandwidth / 1e12)", "* bandwidth)"),
+        ("maximum instead of minimum", "np.minimum(", "np.maximum("),
+        ("ridge inverted (bandwidth / peak)", "peak_tflops * 1e12 / bandwidth", "bandwidth / (peak_tflops * 1e12)"),
+        ("ridge mixes TFLOP/s and bytes/s", "peak_tflops * 1e12 / bandwidth", "peak_tflops / bandwidth"),
+    ],
+    "ex4_predictor": [
+        ("causal factor ignored", 'np.where(df["causal"].to_numpy(dtype=bool), 0.5, 1.0)', "np.ones(len(df))"),
+        ("causal factor on the Q,K,V,O column", "B * H * N * D, np.ones_like(B)", "B * H * N * D * c, np.ones_like(B)"),
+        ("plain least squares",
+         "np.linalg.lstsq(A / scale, np.ones(len(y)), rcond=None)[0] / scale",
+         "np.linalg.lstsq(X, y, rcond=None)[0]"),
+        ("column scaling not undone", "rcond=None)[0] / scale", "rcond=None)[0]"),
+        ("signed denominator", "np.abs(pred - true) / np.abs(true)", "np.abs(pred - true) / true"),
+        ("fraction, not percent", "float(100 * np.mean(", "float(np.mean("),
+        ("lists not converted", "pred, true = np.asarray(pred, dtype=float), np.asarray(true, dtype=float)", "pred, true = pred, true"),
+    ],
+}
+
+# (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
+HIDDEN_ONLY = {}
+
+# grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
+FITTED = {
+    "ex1_phase_counts": [("B·H hard-coded to the visible 8", "bh, nn = B * H, N * N", "bh, nn = 8, N * N")],
+    "ex2_flash_bytes": [("ceil written as (N + 63) // block_m (visible block 64)", "math.ceil(N / block_m)", "(N + 63) // block_m")],
+    "ex3_roofline": [("ridge hard-coded to the toy machine's 100", "intensity < peak_tflops * 1e12 / bandwidth", "intensity < 100"),
+                     ("bandwidth hard-coded to the toy machine's 1 TB/s", "* bandwidth / 1e12)", "* 1.0)")],
+    "ex4_predictor": [("median instead of mean (visible cases have two values)", "np.mean(", "np.median(")],
+}

@@ -1,0 +1,149 @@
+"""Notebook 05 (05_precision_analysis): rules its exercises state, wrong answers, answers fitted to visible cases."""
+
+ASSIGNMENT = "05_precision_analysis"
+SETUP = ['P = lk.profiles.choose(']
+
+# grade_id -> the rules its visible tests check
+RULES = {
+    "ex1_accumulate": [
+        "no torch.sum / cumsum (own loop)",
+        "returns a 0-d tensor of acc_dtype (plain, compensated, mixed input dtype)",
+        "fp16 accumulator rounds every step (stalls at 0.25)",
+        "fp32 accumulator is close to the exact sum",
+        "Kahan keeps fp16 close to the exact sum",
+        "values cast to acc_dtype, then summed left to right",
+    ],
+    "ex2_error_report": [
+        "dict of four Python floats",
+        "max_abs, mean_abs, rel_l2, cosine formulas",
+        "float64 computation: fp16 candidate with norm > 65504, any shape",
+        "float64 inputs keep differences below fp32 resolution",
+        "ValueError on an all-zero reference",
+        "no element-wise division (reference containing 0)",
+    ],
+    "ex3_layernorm": [
+        "no F.layer_norm / torch.layer_norm / nn.LayerNorm (or other norm layers)",
+        "output in x.dtype (fp16, bf16, fp32)",
+        "normalizes the last dim, applies weight and bias",
+        "fp32 two-pass statistics: large mean, small spread in fp16 and bf16",
+        "eps inside the square root (variance near eps)",
+    ],
+    "ex4_policy": [
+        "every op during bf16 training (fp32 master weights, optimizer state, residual stream; amp_dtype for linear and flash)",
+        "softmax / layernorm_stats / loss stay fp32 at inference",
+        "weights and residual_stream at inference: fp32 or amp_dtype both accepted",
+        "ValueError (with a message) for flash_attention with fp32",
+        "ValueError for an unknown op",
+    ],
+}
+
+# grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
+MISTAKES = {
+    "ex1_accumulate": [
+        ("Kahan sign", "c = (t - s) - y", "c = (t - s) + y"),
+        ("fp32 accumulator", "s = torch.zeros((), dtype=acc_dtype)", "s = torch.zeros((), dtype=torch.float32)"),
+        ("fp32 compensation", "c = torch.zeros((), dtype=acc_dtype)", "c = torch.zeros((), dtype=torch.float32)"),
+        ("right to left", "for v in values.to(acc_dtype):", "for v in values.to(acc_dtype).flip(0):"),
+        ("values not cast to acc_dtype", "for v in values.to(acc_dtype):", "for v in values:"),
+        ("torch.sum", "return s", "return values.to(acc_dtype).sum()"),
+        ("Python float returned", "return s", "return s.item()"),
+    ],
+    "ex2_error_report": [
+        ("norms in the input dtype", "c = candidate.detach().double().flatten()", "c = candidate.detach().flatten()"),
+        ("no float64 (float32)",
+         "c = candidate.detach().double().flatten()\n    r = reference.detach().double().flatten()",
+         "c = candidate.detach().float().flatten()\n    r = reference.detach().float().flatten()"),
+        ("no float64 at all",
+         "c = candidate.detach().double().flatten()\n    r = reference.detach().double().flatten()",
+         "c = candidate.detach().flatten()\n    r = reference.detach().flatten()"),
+        ("not flattened",
+         "c = candidate.detach().double().flatten()\n    r = reference.detach().double().flatten()",
+         "c = candidate.detach().double()\n    r = reference.detach().double()"),
+        ("zero reference accepted", "if r_norm == 0:", "if False:"),
+        ("ValueError when any element is 0", "if r_norm == 0:", "if (r == 0).any():"),
+        ("cosine without |r|", "(c @ r / (c.norm() * r_norm))", "(c @ r / c.norm())"),
+        ("tensors instead of floats",
+         '{"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(),\n'
+         '            "rel_l2": (d.norm() / r_norm).item(), "cosine": (c @ r / (c.norm() * r_norm)).item()}',
+         '{"max_abs": d.abs().max(), "mean_abs": d.abs().mean(),\n'
+         '            "rel_l2": d.norm() / r_norm, "cosine": c @ r / (c.norm() * r_norm)}'),
+    ],
+    "ex3_layernorm": [
+        ("statistics in half precision", "x32 = x.float()", "x32 = x"),
+        ("mean in half precision",
+         "mean = x32.mean(dim=-1, keepdim=True)", "mean = x.mean(dim=-1, keepdim=True).float()"),
+        ("one-pass variance",
+         "var = ((x32 - mean) ** 2).mean(dim=-1, keepdim=True)",
+         "var = (x32 ** 2).mean(dim=-1, keepdim=True) - mean ** 2"),
+        ("eps outside the sqrt", "torch.sqrt(var + eps)", "(torch.sqrt(var) + eps)"),
+        ("weight ignored", "y = y * weight.float() + bias.float()", "y = y + bias.float()"),
+        ("bias ignored", "y = y * weight.float() + bias.float()", "y = y * weight.float()"),
+        ("fp32 output", "return y.to(x.dtype)", "return y"),
+        ("F.layer_norm on fp32",
+         "y = (x32 - mean) / torch.sqrt(var + eps)\n    y = y * weight.float() + bias.float()",
+         "y = F.layer_norm(x32, x.shape[-1:], weight.float(), bias.float(), eps)"),
+        ("torch.layer_norm on fp32",
+         "y = (x32 - mean) / torch.sqrt(var + eps)\n    y = y * weight.float() + bias.float()",
+         "y = torch.layer_norm(x32, x.shape[-1:], weight.float(), bias.float(), eps)"),
+        ("nn.LayerNorm on fp32",
+         "y = (x32 - mean) / torch.sqrt(var + eps)\n    y = y * weight.float() + bias.float()",
+         "ln = nn.LayerNorm(x.shape[-1], eps=eps)\n    with torch.no_grad():\n"
+         "        ln.weight.copy_(weight.float())\n        ln.bias.copy_(bias.float())\n    y = ln(x32)"),
+    ],
+    "ex4_policy": [
+        ("half-precision weights while training",
+         "return torch.float32 if training else amp_dtype", "return amp_dtype"),
+        ("training flag inverted",
+         "return torch.float32 if training else amp_dtype", "return amp_dtype if training else torch.float32"),
+        ("fp32 FlashAttention accepted", "if amp_dtype not in (torch.float16, torch.bfloat16):", "if False:"),
+        ("ValueError without a message",
+         'raise ValueError("FlashAttention has no fp32 path: use float16/bfloat16 or a non-flash backend")',
+         "raise ValueError()"),
+        ("unknown op accepted", "if op not in POLICY_OPS:", "if False:"),
+        ("linear in fp32",
+         "return amp_dtype                       # tensor cores",
+         "return torch.float32                       # tensor cores"),
+        ("optimizer state in half", 'if op == "linear":', 'if op in ("linear", "optimizer_state"):'),
+        ("LayerNorm statistics in half", 'if op == "linear":', 'if op in ("linear", "layernorm_stats"):'),
+    ],
+}
+
+# (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
+HIDDEN_ONLY = {}
+
+# grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
+FITTED = {
+    "ex1_accumulate": [
+        ("Kahan replaced by a float64 sum rounded at the end",
+         "    for v in values.to(acc_dtype):\n"
+         "        if compensated:\n"
+         "            y = v - c\n"
+         "            t = s + y\n"
+         "            c = (t - s) - y\n"
+         "            s = t\n"
+         "        else:\n"
+         "            s = s + v\n"
+         "    return s",
+         "    wide = torch.zeros((), dtype=torch.float64)\n"
+         "    for v in values.to(acc_dtype):\n"
+         "        wide = wide + v\n"
+         "        s = s + v\n"
+         "    return wide.to(acc_dtype) if compensated else s"),
+    ],
+    "ex2_error_report": [
+        ("zero test on the first element", "if r_norm == 0:", "if r[0] == 0:"),
+        ("near-zero reference refused", "if r_norm == 0:", "if r.abs().max() < 1e-3:"),
+    ],
+    "ex3_layernorm": [
+        ("eps hard-coded to the default", "torch.sqrt(var + eps)", "torch.sqrt(var + 1e-5)"),
+    ],
+    "ex4_policy": [
+        ("linear hard-coded to bf16", "return amp_dtype                       # tensor cores",
+         "return torch.bfloat16                       # tensor cores"),
+        ("flash_attention hard-coded to bf16",
+         "            raise ValueError(\"FlashAttention has no fp32 path: use float16/bfloat16 or a non-flash backend\")\n"
+         "        return amp_dtype",
+         "            raise ValueError(\"FlashAttention has no fp32 path: use float16/bfloat16 or a non-flash backend\")\n"
+         "        return torch.bfloat16"),
+    ],
+}
