@@ -131,7 +131,6 @@ def _first_reached(fn: Callable, matches: Callable[[object], bool], *, attribute
     Follows the globals its code loads (``LOAD_GLOBAL``/``LOAD_NAME``, nested code included:
     attribute names such as ``x.shape`` are not globals), its closure cells and defaults, and
     recurses into plain functions defined in ``fn``'s own module (a helper in another notebook cell)."""
-    import dis
     import inspect
 
     fn = getattr(fn, "__func__", fn)  # bound and static methods
@@ -139,15 +138,10 @@ def _first_reached(fn: Callable, matches: Callable[[object], bool], *, attribute
     if not inspect.isfunction(fn) or fn in seen:
         return None
     seen.add(fn)
-    codes, found = [fn.__code__], {}
-    while codes:
-        code = codes.pop()
-        codes += [c for c in code.co_consts if inspect.iscode(c)]
-        for ins in dis.get_instructions(code):
-            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in fn.__globals__:
-                found[ins.argval] = fn.__globals__[ins.argval]
-            elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval in attributes:
-                return f".{ins.argval}"
+    read = _attributes_read(fn) & set(attributes)
+    if read:
+        return f".{sorted(read)[0]}"
+    found = loaded_globals(fn)
     for i, cell in enumerate(fn.__closure__ or ()):
         try:
             found[fn.__code__.co_freevars[i]] = cell.cell_contents
@@ -163,6 +157,34 @@ def _first_reached(fn: Callable, matches: Callable[[object], bool], *, attribute
             if inner:
                 return f"{label} -> {inner}"
     return None
+
+
+def _code_objects(fn: Callable) -> list:
+    """``fn``'s code object and every code object nested in it (lambdas, comprehensions, inner defs)."""
+    import inspect
+
+    codes, todo = [], [fn.__code__]
+    while todo:
+        code = todo.pop()
+        codes.append(code)
+        todo += [c for c in code.co_consts if inspect.iscode(c)]
+    return codes
+
+
+def loaded_globals(fn: Callable) -> dict:
+    """The globals ``fn``'s code (nested code included) reads, by name, with their current values."""
+    import dis
+
+    return {ins.argval: fn.__globals__[ins.argval] for code in _code_objects(fn) for ins in dis.get_instructions(code)
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in fn.__globals__}
+
+
+def _attributes_read(fn: Callable) -> set[str]:
+    """Attribute names ``fn``'s code reads (``x.softmax``, ``torch.nn.functional.layer_norm``)."""
+    import dis
+
+    return {ins.argval for code in _code_objects(fn) for ins in dis.get_instructions(code)
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD")}
 
 
 def _names(source: str) -> set[str]:

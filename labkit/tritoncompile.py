@@ -23,7 +23,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import dis
 import inspect
 import json
 import os
@@ -35,14 +34,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import grading
+from . import grading, tritonmode
 
 ARCHS = {80: "sm80 (Ampere)", 90: "sm90 (Hopper)"}
 WORKER = Path(__file__).with_name("tritoncompile_worker.py")
 POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                  torch.int32: "i32", torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
                  torch.bool: "i1"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "warmup", "grid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,30 +89,15 @@ def recorded(module: str = "__main__") -> Iterator[list[Launch]]:
     Autotuned kernels are recorded with the config the autotuner chose (its block sizes, warps and
     stages).
     """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
     launches: list[Launch] = []
-    originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
 
-    def recording(original):
-        def run(self, *args, **kwargs):
-            if getattr(self.fn, "__module__", None) == module and not kwargs.get("warmup"):
-                params = inspect.signature(self.fn).parameters
-                bound = inspect.signature(self.fn).bind_partial(
-                    *args, **{k: v for k, v in kwargs.items() if k in params})
-                launches.append(Launch(self.fn, dict(bound.arguments), kwargs.get("num_warps") or 4,
-                                       kwargs.get("num_stages") or 3))
-            return original(self, *args, **kwargs)
-        return run
+    def record(fn, args, kwargs):
+        params = inspect.signature(fn).parameters
+        bound = inspect.signature(fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+        launches.append(Launch(fn, dict(bound.arguments), kwargs.get("num_warps") or 4, kwargs.get("num_stages") or 3))
 
-    for cls, original in originals.items():
-        cls.run = recording(original)
-    try:
+    with tritonmode.watched_launches(record, module):
         yield launches
-    finally:
-        for cls, original in originals.items():
-            cls.run = original
 
 
 def _arg_type(value) -> str:
@@ -139,18 +122,6 @@ def _source_without_decorators(fn: Callable) -> str:
     return ast.unparse(node)
 
 
-def _loaded_globals(fn: Callable) -> dict:
-    """The globals ``fn``'s code (nested code included) reads, with their values."""
-    codes, found = [fn.__code__], {}
-    while codes:
-        code = codes.pop()
-        codes += [c for c in code.co_consts if inspect.iscode(c)]
-        for ins in dis.get_instructions(code):
-            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in fn.__globals__:
-                found[ins.argval] = fn.__globals__[ins.argval]
-    return found
-
-
 def _module_source(kernels: list[Callable]) -> str:
     """A module that defines ``kernels`` and what they read: jit helpers (recursively), modules,
     ``tl.constexpr`` and dtype constants, and plain values as plain globals (which the compiler
@@ -163,7 +134,7 @@ def _module_source(kernels: list[Callable]) -> str:
         if fn in done:
             return
         done.add(fn)
-        for name, value in _loaded_globals(fn).items():
+        for name, value in grading.loaded_globals(fn).items():
             helper = _python_function(value)
             if helper is not None:
                 emit(helper)
@@ -191,7 +162,7 @@ def _explain(error: str, arch: int) -> str:
     if "Cannot access global variable" in error:
         name = error.split("Cannot access global variable", 1)[1].split()[0]
         return (f"kernel 讀取了 Python 全域變數 {name}：GPU 編譯器只接受 tl.constexpr 全域常數或 kernel 的參數"
-                f"（直譯器不檢查這點，所以 CPU 上能跑）。把它宣告成 `{name}: tl.constexpr = ...` 或當參數傳入。")
+                f"（直譯器不檢查這點，所以 CPU 上能跑）。把它宣告成 `{name} = tl.constexpr(...)` 或當參數傳入。")
     return f"Triton 編譯器（{ARCHS.get(arch, arch)}）拒絕了這個 kernel：{first}"
 
 

@@ -49,7 +49,10 @@ def compile_one(module, kernel: dict, arch: int) -> dict:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": kernel["num_warps"], "num_stages": kernel["num_stages"]})
     except Exception as err:  # noqa: BLE001 - the compiler's own message goes back to the notebook
-        row["error"] = f"{type(err).__name__}: {err}"
+        chain = [err]
+        while chain[-1].__cause__ is not None:  # a helper's error is the cause of the caller's
+            chain.append(chain[-1].__cause__)
+        row["error"] = "\n".join(f"{type(e).__name__}: {e}" for e in chain)
         return row
     ptx = compiled.asm["ptx"]
     row.update(ok=True, shared_bytes=int(compiled.metadata.shared), **resource_usage(compiled.asm["cubin"]),

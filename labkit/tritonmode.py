@@ -15,6 +15,9 @@ Two probes serve the tests of a student's kernels:
 - :func:`loaded_elements` counts the elements the interpreter loads, so skipping work (a causal
   tile skipped, not just masked) is visible on a CPU.
 
+:func:`setup` also makes a launch of an autotuned kernel that passes a tuned meta-parameter
+(``BLOCK_M=...``) fail with a message naming the cause.
+
     mode = lk.tritonmode.setup()          # "interpreter" or "compiled"; import triton after it
     with lk.tritonmode.launches() as n:
         kernel[grid](...)
@@ -27,7 +30,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -63,7 +66,41 @@ def setup() -> str:
         raise RuntimeError("compiled Triton kernels need a CUDA GPU; unset TRITON_INTERPRET=0 to use the interpreter.")
     if mode == "interpreter":
         _patch_bf16_dot()
+    _patch_autotuned_launch()
     return mode
+
+
+def _patch_autotuned_launch() -> None:
+    """Name the cause when a launch of an autotuned kernel passes a tuned meta-parameter.
+
+    ``kernel[grid](..., BLOCK_M=64)`` on an ``@triton.autotune`` kernel whose configs set
+    ``BLOCK_M`` fails inside triton with "got multiple values for keyword argument 'BLOCK_M'",
+    naming triton's (or :func:`launches`'s) ``run``, not the cause. Refuse it before, saying that
+    the autotuner chooses those parameters. Idempotent.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    original = Autotuner.run
+    if getattr(original, "_labkit_tuned", False):
+        return
+
+    def run(self, *args, **kwargs):
+        tuned = {name for config in self.configs for name in config.kwargs}
+        given = set(kwargs) | set(self.arg_names[:len(args)])
+        clash = [name for name in self.arg_names if name in tuned & given]
+        if clash:
+            names, chosen = ", ".join(clash), ", ".join(n for n in self.arg_names if n in tuned)
+            kernel = getattr(self.base_fn, "__name__", "kernel")
+            raise TypeError(
+                f"{kernel} 是自動調校（@triton.autotune）的核心：{chosen} 由自動調校器從 configs 中選擇，"
+                f"啟動時不可傳入（這次傳了 {names}）。請拿掉它們，網格寫成 "
+                f"grid = lambda meta: (triton.cdiv(N, meta[\"BLOCK_M\"]), ...)。\n"
+                f"({kernel} is autotuned: the autotuner chooses {chosen}, so they must not be passed "
+                f"(got {names}); read them in the grid function from meta.)")
+        return original(self, *args, **kwargs)
+
+    run._labkit_tuned = True
+    Autotuner.run = run
 
 
 def _patch_bf16_dot() -> None:
@@ -145,32 +182,44 @@ def tune_large_only(configs: list, named_args: dict, **kwargs) -> list:
 
 
 @contextlib.contextmanager
+def watched_launches(on_launch: Callable, module: str = "__main__") -> Iterator[None]:
+    """Call ``on_launch(fn, args, kwargs)`` before every launch of a Triton kernel defined in ``module``.
+
+    ``fn`` is the kernel's Python function; ``args``/``kwargs`` are the launch's own (an autotuned
+    kernel's launch carries the chosen config's block sizes, ``num_warps`` and ``num_stages``).
+    Interpreted and compiled kernels alike; warm-up compilations are not launches.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
+
+    def watching(original):
+        def run(self, *args, **kwargs):
+            if getattr(self.fn, "__module__", None) == module and not kwargs.get("warmup"):
+                on_launch(self.fn, args, kwargs)
+            return original(self, *args, **kwargs)
+        return run
+
+    for cls, original in originals.items():
+        cls.run = watching(original)
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+
+
+@contextlib.contextmanager
 def launches(module: str = "__main__") -> Iterator[collections.Counter]:
     """Count launches of Triton kernels defined in ``module`` (a notebook: "__main__"), by kernel name.
 
     Autotuned and heuristics-wrapped kernels count once per launch of the kernel they wrap
     (autotuning's trial runs count too).
     """
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
     counts: collections.Counter = collections.Counter()
-    originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
-
-    def counting(original):
-        def run(self, *args, **kwargs):
-            if getattr(self.fn, "__module__", None) == module and not kwargs.get("warmup"):
-                counts[self.fn.__name__] += 1
-            return original(self, *args, **kwargs)
-        return run
-
-    for cls, original in originals.items():
-        cls.run = counting(original)
-    try:
+    with watched_launches(lambda fn, args, kwargs: counts.update([fn.__name__]), module):
         yield counts
-    finally:
-        for cls, original in originals.items():
-            cls.run = original
 
 
 @contextlib.contextmanager

@@ -91,3 +91,21 @@ def test_config_overrides_the_recorded_tiles():
     larger_tiles, = tritoncompile.compile_launches(launches, archs=(80,), config={"BLOCK": 128, "num_stages": 2})
     assert recorded_tiles.ok and larger_tiles.ok
     assert larger_tiles.shared_bytes > recorded_tiles.shared_bytes  # 128x128 fp16 tiles staged, not 64x64
+
+
+@triton.jit
+def _reads_global_in_helper(x):
+    return x * PLAIN_SCALE
+
+
+@triton.jit
+def _helper_global_kernel(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, _reads_global_in_helper(tl.load(x_ptr + offs)))
+
+
+def test_a_global_read_in_a_helper_is_named_too():
+    with pytest.raises(AssertionError) as err:
+        tritoncompile.check_compiles(lambda: _helper_global_kernel[(1,)](torch.ones(16), BLOCK=16), name="kernel",
+                                     archs=(90,), module=__name__)
+    assert "PLAIN_SCALE" in str(err.value) and "PLAIN_SCALE = tl.constexpr(...)" in str(err.value)

@@ -1,6 +1,7 @@
 """labkit.tritonmode: the interpreter switch, the bf16 dot fix, the launch and load counters."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -74,6 +75,27 @@ def test_loaded_elements_counts_unmasked_lanes():
         pass
     _launch_add()
     assert later["elements"] == 0
+
+
+@triton.autotune(configs=lk.tritonmode.tile_configs([(128, 64, 4, 3)], small=(32, 16, 4, 1)), key=["n"])
+@triton.jit
+def _tuned_fill(x_ptr, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(x_ptr + offs, offs.to(tl.float32), mask=offs < n)
+
+
+def test_passing_a_tuned_block_size_names_the_autotuner():
+    x = torch.zeros(100)
+    _tuned_fill[lambda meta: (triton.cdiv(100, meta["BLOCK_M"]),)](x, 100)   # the right way
+    assert torch.equal(x, torch.arange(100.0))
+    launch = _tuned_fill[(4,)]
+    for call in (lambda: launch(x, 100, BLOCK_M=32), lambda: launch(x, 100, 32, 16)):
+        for counting in (False, True):          # inside the launch counter the error used to name it
+            with (lk.tritonmode.launches(module=__name__) if counting else contextlib.nullcontext()):
+                with pytest.raises(TypeError, match="BLOCK_M, BLOCK_N") as err:
+                    call()
+            assert "自動調校" in str(err.value) and "_tuned_fill" in str(err.value)
+            assert "multiple values" not in str(err.value) and "labkit" not in str(err.value)
 
 
 def test_tile_configs_follow_the_mode(monkeypatch):
