@@ -1,0 +1,124 @@
+"""Notebook 08 (08_decode_attention): rules its exercises state, wrong answers, answers fitted to visible cases."""
+
+ASSIGNMENT = "08_decode_attention"
+SETUP = ["P = lk.profiles.choose(", "def decode_reference("]
+
+# grade_id -> the rules its visible tests check
+RULES = {
+    "ex1_kv_calculator": ["bytes per token = 2 (K and V) x layers x H_kv x d x bytes per element",
+                          "each factor on its own: K and V, layers, H_kv (not H_q), element size",
+                          "longest context and largest batch rounded down; 0 when one token does not fit",
+                          "batch sequences share the budget",
+                          "Python ints, no labkit"],
+    "ex2_decode_kernel": ["o and lse (natural log) equal float64 attention with K/V repeated per group",
+                          "tail tile masked (N not a multiple of the block)",
+                          "GQA: KV head j serves query heads j*g .. j*g+g-1 (g = 4 and g = 3 padded to 16 rows)",
+                          "scores near 1e3: the max subtracted, the state rescaled",
+                          "bf16 in: bf16 o, fp32 lse",
+                          "K/V read once per KV head (elements counted)",
+                          "the kernel is launched; no SDPA, softmax or the reference",
+                          "compiles for sm80 and sm90"],
+    "ex3_split_kernel": ["split count: ceil(SMs / (batch x H_kv)), capped at ceil(max_len / block), at least 1",
+                         "partials equal attention over each split's own keys: S = 1, S = 3 with a tail, GQA",
+                         "per-sequence lengths (0, shorter than a split, not a multiple of the block)",
+                         "splits with no key: o = 0, lse = -inf, no NaN",
+                         "each split reads only its own keys (elements counted)",
+                         "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
+    "ex4_combine_kernel": ["merged o and lse equal attention over all keys (uneven splits, S = 1, S not a power of 2)",
+                           "lse near +-1e4: no overflow (exp only of differences from the max)",
+                           "-inf partials weigh 0; a row of all -inf gives o = 0, lse = -inf, no NaN",
+                           "o in the requested dtype (bf16)",
+                           "no logsumexp, logaddexp, softmax or the reference; compiles for sm80 and sm90"],
+    "ex5_page_allocator": ["a sequence of length L holds ceil(L / page_size) pages; a new page only when the last is full",
+                           "slots = page x page_size + t % page_size, by each sequence's own pages",
+                           "no page held twice; free pages = total - held",
+                           "n = 0 allowed; n < 0 raises ValueError",
+                           "out of pages: MemoryError and nothing changed (no new sequence registered)",
+                           "free returns every page and forgets the sequence; pages reused; KeyError for unknown sequences",
+                           "any hashable sequence name; no labkit"],
+    "ex6_paged_kernel": ["partials and merged o equal attention over the contiguous cache: pages in order and shuffled",
+                         "per-sequence lengths (0, not a multiple of the page); GQA; S = 1 and 3",
+                         "only tokens within the length read; page-table padding not read (elements counted)",
+                         "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
+}
+
+# grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
+MISTAKES = {
+    "ex1_kv_calculator": [
+        ("K and V not both counted", "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
+         "return layers * n_kv_heads * head_dim * bytes_per_element"),
+        ("layers left out", "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
+         "return 2 * n_kv_heads * head_dim * bytes_per_element"),
+        ("element size left out", "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
+         "return 2 * layers * n_kv_heads * head_dim"),
+        ("true division: a float context", "return int(free_bytes // (batch *", "return (free_bytes / (batch *"),
+        ("batch ignored", "int(free_bytes // (batch * kv_bytes_per_token", "int(free_bytes // (1 * kv_bytes_per_token"),
+        ("batch rounded up", "return int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))",
+         "return int(-(-free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element))))"),
+    ],
+    "ex2_decode_kernel": [
+        ("exp instead of exp2 (scores in log2 units)", "p = tl.math.exp2(s - shift[:, None])", "p = tl.exp(s - shift[:, None])"),
+        ("output not rescaled", "acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
+        ("GQA heads interleaved (h % H_kv)", "heads = j * G + offs_g", "heads = offs_g * H_KV + j"),
+        ("tail keys not masked", "inside[None, :], qk_scale", "(offs_n >= 0)[None, :], qk_scale"),
+        ("lse left in log2 units", "(m_i + tl.math.log2(l_safe)) * 0.6931471805599453", "(m_i + tl.math.log2(l_safe))"),
+        ("K/V head offset missing", "kv_base = b * N * H_KV * HEAD_DIM + j * HEAD_DIM", "kv_base = b * N * H_KV * HEAD_DIM"),
+    ],
+    "ex3_split_kernel": [
+        ("floor instead of ceil for the SM fill", "fill = -(-n_sms // (batch * n_kv_heads))", "fill = n_sms // (batch * n_kv_heads)"),
+        ("no cap by the context length", "return max(1, min(fill, blocks))", "return max(1, fill)"),
+        ("zero splits for an empty batch", "return max(1, min(fill, blocks))", "return min(fill, blocks)"),
+        ("tail masked by the capacity N", "inside = offs_n < hi", "inside = offs_n < N"),
+        ("every split starts at key 0", "lo = s * CHUNK", "lo = 0"),
+        ("sequence length ignored", "hi = tl.minimum(lo + CHUNK, n_b)", "hi = tl.minimum(lo + CHUNK, N)"),
+        ("partials stored without the split index", "part = (b * H_KV * G + heads) * S + s", "part = (b * H_KV * G + heads) * S"),
+    ],
+    "ex4_combine_kernel": [
+        ("plain average of the partials", "w = tl.exp(lse_s - shift)",
+         'w = tl.where(valid & (lse_s > float("-inf")), 1.0, 0.0)'),
+        ("exp of lse without the max (overflow)", 'shift = tl.where(m == float("-inf"), 0.0, m)', "shift = 0.0"),
+        ("-inf - -inf trap", 'shift = tl.where(m == float("-inf"), 0.0, m)', "shift = m"),
+        ("lse = the max only", 'lse = tl.where(empty, float("-inf"), shift + tl.log(tl.where(empty, 1.0, total)))', "lse = m"),
+        ("padding splits read as 0 instead of -inf", 'mask=valid, other=float("-inf"))', "mask=valid, other=0.0)"),
+    ],
+    "ex5_page_allocator": [
+        ("a page too many at the boundary", "need = -(-(length + n) // self.page_size) - len(pages)",
+         "need = (length + n) // self.page_size + 1 - len(pages)"),
+        ("state changed before MemoryError", "        if need > len(self._free):\n",
+         "        self._length[seq] = length + n\n        if need > len(self._free):\n"),
+        ("contiguous slots assumed",
+         "return torch.tensor(pages, dtype=torch.int64)[t // self.page_size] * self.page_size + t % self.page_size",
+         "return t"),
+        ("pages not returned on free", "self._free.extend(reversed(pages))", "pass"),
+        ("RuntimeError instead of MemoryError", "raise MemoryError(", "raise RuntimeError("),
+        ("sequence not forgotten on free", "        del self._length[seq]\n", ""),
+    ],
+    "ex6_paged_kernel": [
+        ("page table ignored (pages assumed in order)",
+         "page = tl.load(table_ptr + b * MAX_PAGES + start // PAGE_SIZE).to(tl.int64)",
+         "page = (b * MAX_PAGES + start // PAGE_SIZE).to(tl.int64)"),
+        ("page-table row stride forgotten", "table_ptr + b * MAX_PAGES + start // PAGE_SIZE", "table_ptr + start // PAGE_SIZE"),
+        ("last page not masked by the length", "inside = start + offs_p < hi", "inside = start + offs_p < lo + CHUNK"),
+        ("K/V head offset missing", " + j * HEAD_DIM + offs_d[None, :]", " + offs_d[None, :]"),
+        ("page offset not scaled by the page size", "(page * PAGE_SIZE + offs_p)", "(page + offs_p)"),
+    ],
+}
+
+# (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
+HIDDEN_ONLY = {}
+
+# grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
+FITTED = {
+    "ex1_kv_calculator": [("table of the visible configurations",
+                           "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
+                           "return {(12, 12, 64, 2): 36864, (1, 1, 1, 1): 2, (32, 1, 1, 1): 64, (32, 8, 128, 2): 131072,\n"
+                           "            (1, 1, 1, 4): 8}[layers, n_kv_heads, head_dim, bytes_per_element]")],
+    "ex2_decode_kernel": [("head dim fixed at the visible 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)")],
+    "ex3_split_kernel": [("table of the visible split counts", "return max(1, min(fill, blocks))",
+                          "return {(1, 8, 4096): 17, (16, 8, 4096): 2, (4, 8, 4096): 5, (32, 8, 4096): 1, (1, 8, 100): 2,\n"
+                          "            (1, 8, 0): 1}[batch, n_kv_heads, max_len]")],
+    "ex4_combine_kernel": [("head dim fixed at the visible 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)")],
+    "ex5_page_allocator": [("page size fixed at the visible 4", "need = -(-(length + n) // self.page_size) - len(pages)",
+                            "need = -(-(length + n) // 4) - len(pages)")],
+    "ex6_paged_kernel": [("head dim fixed at the visible 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)")],
+}

@@ -1,0 +1,147 @@
+"""Tests for labkit.decode: bytes counted, SDPA's decode sweep, the page table, K/V writes, paged generation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit import decode
+
+
+class ListAllocator:
+    """A minimal page allocator for the tests (the notebook's exercise is the students' own)."""
+
+    def __init__(self, num_pages: int, page_size: int, order: list[int] | None = None):
+        self.page_size = page_size
+        self.free_pages = list(order if order is not None else range(num_pages))
+        self.table: dict = {}
+        self.lengths: dict = {}
+
+    def append(self, seq, n):
+        pages, length = self.table.setdefault(seq, []), self.lengths.get(seq, 0)
+        while len(pages) * self.page_size < length + n:
+            pages.append(self.free_pages.pop(0))
+        self.lengths[seq] = length + n
+        t = torch.arange(length, length + n)
+        return torch.tensor(pages)[t // self.page_size] * self.page_size + t % self.page_size
+
+    def pages(self, seq):
+        return list(self.table[seq])
+
+    def length(self, seq):
+        return self.lengths[seq]
+
+    def free(self, seq):
+        self.free_pages += self.table.pop(seq)
+        del self.lengths[seq]
+
+
+def paged_reference(q, k_pages, v_pages, table, lens):
+    """Attention through the page table, gathered to a contiguous cache and computed in float64 with K/V repeated."""
+    b, hq, d = q.shape
+    hkv, page = k_pages.shape[2], k_pages.shape[1]
+    out = torch.zeros(b, hq, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        rows = (table[i].long()[:, None] * page + torch.arange(page)).reshape(-1)[:n]
+        k = k_pages.reshape(-1, hkv, d)[rows].double().repeat_interleave(hq // hkv, dim=1)   # [n, H_q, d]
+        v = v_pages.reshape(-1, hkv, d)[rows].double().repeat_interleave(hq // hkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) / math.sqrt(d), dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", p, v)
+    return out.to(q.dtype)
+
+
+def test_tensor_bytes_counts_elements_times_size():
+    assert decode.tensor_bytes(torch.zeros(3, 4), torch.zeros(5, dtype=torch.bfloat16)) == 3 * 4 * 4 + 5 * 2
+    assert decode.tensor_bytes() == 0
+
+
+def test_page_table_pads_with_zero_and_checks_width():
+    table = decode.page_table([[5, 2], [], [7]])
+    assert table.dtype == torch.int32 and table.tolist() == [[5, 2], [0, 0], [7, 0]]
+    assert decode.page_table([[1]], width=3).tolist() == [[1, 0, 0]]
+    assert decode.page_table([[], []]).shape == (2, 1)
+    with pytest.raises(ValueError, match="width"):
+        decode.page_table([[1, 2, 3]], width=2)
+
+
+def test_write_kv_scatters_tokens_to_their_slots():
+    k_pages, v_pages = torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 4)
+    k, v = torch.randn(3, 1, 4), torch.randn(3, 1, 4)
+    decode.write_kv(k_pages, v_pages, torch.tensor([5, 0, 3]), k, v)   # page 2 row 1, page 0 row 0, page 1 row 1
+    assert torch.equal(k_pages[2, 1], k[0]) and torch.equal(k_pages[0, 0], k[1]) and torch.equal(v_pages[1, 1], v[2])
+    assert int((k_pages != 0).any(-1).sum()) == 3
+    with pytest.raises(ValueError, match="slots"):
+        decode.write_kv(k_pages, v_pages, torch.tensor([0, 1]), k, v)
+
+
+def test_sdpa_decode_sweep_on_cpu_reports_ok_and_unsupported_backends():
+    df = decode.sdpa_decode_sweep([64], [1, 2], h_q=4, h_kv=2, d=16, dtype=torch.float32, device="cpu", target_ms=1)
+    assert set(df["backend"]) == set(decode.SDPA_DECODE_BACKENDS) and len(df) == 2 * len(decode.SDPA_DECODE_BACKENDS)
+    math_rows = df[df["backend"] == "sdpa_math"]
+    assert (math_rows["status"] == "ok").all() and (math_rows["gb_per_s"] > 0).all()
+    # bytes: q and o [B, 4, 1, 16] plus K and V [B, 2, 64, 16], fp32
+    assert math_rows["bytes"].tolist() == [4 * (2 * 4 * 16 + 2 * 2 * 64 * 16) * b for b in (1, 2)]
+    cudnn = df[df["backend"] == "sdpa_cudnn"]
+    assert (cudnn["status"] != "ok").all() and cudnn["gb_per_s"].isna().all()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _pools(model, num_pages, page_size):
+    cfg = model.config
+    shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    return [torch.zeros(shape) for _ in range(2)], [torch.zeros(shape) for _ in range(2)]
+
+
+@pytest.mark.parametrize("page_size,order", [(4, None), (2, [9, 3, 14, 0, 7, 1, 12, 5, 10, 2, 15, 4, 8, 6, 13, 11])])
+def test_generate_paged_matches_transformers_generate(tiny_llama, page_size, order):
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    alloc = ListAllocator(16, page_size, order)
+    k_pools, v_pools = _pools(tiny_llama, 16, page_size)
+    calls = []
+
+    def attend(q, k_pages, v_pages, table, lens):
+        calls.append((tuple(q.shape), lens.tolist()))
+        return paged_reference(q, k_pages, v_pages, table, lens)
+
+    mine = decode.generate_paged(tiny_llama, prompt, 4, allocator=alloc, attend=attend, k_pages=k_pools, v_pages=v_pools)
+    theirs = tiny_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    assert torch.equal(mine, theirs)
+    assert calls[0] == ((2, 4, 8), [6, 6]) and calls[-1][1] == [8, 8]   # decode steps only: prefill is SDPA
+    assert len(calls) == 3 * 2                                          # 3 decode steps x 2 layers
+    assert alloc.table == {} and len(alloc.free_pages) == 16            # every page returned
+
+
+def test_generate_paged_frees_pages_when_attention_fails(tiny_llama):
+    prompt = torch.zeros(2, 3, dtype=torch.long)
+    alloc = ListAllocator(8, 4)
+    k_pools, v_pools = _pools(tiny_llama, 8, 4)
+
+    def broken(*args):
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        decode.generate_paged(tiny_llama, prompt, 3, allocator=alloc, attend=broken, k_pages=k_pools, v_pages=v_pools)
+    assert alloc.table == {} and sorted(alloc.free_pages) == list(range(8))
+
+
+def test_paged_reference_equals_sdpa_on_a_contiguous_cache():
+    """The tests' own reference: pages in order hold a contiguous cache; GQA through enable_gqa."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 8, dtype=torch.float64), torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
+    table = decode.page_table([[0, 1]])
+    got = paged_reference(q, k.reshape(2, 4, 2, 8), v.reshape(2, 4, 2, 8), table, torch.tensor([8]))
+    want = F.scaled_dot_product_attention(q[:, :, None], k.double().transpose(1, 2), v.double().transpose(1, 2),
+                                          enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)   # float64: rounding only
