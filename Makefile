@@ -14,7 +14,7 @@ ASSIGNMENTS := $(notdir $(wildcard solutions/[0-9]*))
 # JupyterLab refuses to start as root (most GPU containers and cloud images) without --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test test-latest lock release doctor bench execute bundle
+.PHONY: setup lab test test-latest lock release doctor bench execute reference bundle
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -50,6 +50,9 @@ bench: setup          ## attention sweep to build/bench/
 
 execute: setup        ## run every solution notebook on this device: build/execute/ (copies, summary.md)
 	HF_HUB_OFFLINE=1 $(PY) -m labkit execute --out build/execute
+
+reference: execute    ## on a GPU machine: store the GPU-only cells' outputs, shown to readers without a GPU
+	$(PY) -m labkit reference --from build/execute
 
 bundle: setup         ## student zip without solutions or hidden tests: build/student-bundle.zip
 	$(PY) -m labkit bundle --out build/student-bundle.zip

@@ -4,6 +4,8 @@ c = get_config()  # noqa: F821 (provided by nbgrader)
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "notebooks"
 c.CourseDirectory.db_url = "sqlite:///gradebook.db"
+# Files a solution run leaves beside its notebook (notebook 04's profiler traces) stay out of the release.
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "traces"]
 
 # Generous per-cell limit: the cpu profile keeps every cell to seconds.
 c.Execute.timeout = 120

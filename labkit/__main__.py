@@ -1,8 +1,9 @@
-"""Command line: ``python -m labkit doctor | bench | execute | bundle | longctx | cp-train``.
+"""Command line: ``python -m labkit doctor | bench | execute | reference | bundle | longctx | cp-train``.
 
 - doctor: device, dtypes and which attention backends run here;
 - bench: the attention sweep to CSV and PNG (``--vs-direct``: labkit against the kernels called directly);
 - execute: run every solution notebook here, executed copies and a summary page (instructors);
+- reference: store the GPU-only cells' outputs of an executed GPU run, shown to readers without one;
 - bundle: the student zip, refused if any solution text would leak (instructors);
 - longctx: GPT-2 on one long sequence, labkit vs sdpa tokens/s or the longest N (``lk.longctx``);
 - cp-train: GPT-2 on one long sequence across GPUs with context parallelism (``lk.cprun``).
@@ -60,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     execute.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
     execute.add_argument("--strict", action="store_true",
                          help="a network access or deprecation warning fails its cell (default: reported)")
+    reference = sub.add_parser("reference", help="store the GPU-only cells' outputs of an executed run (GPU machine)")
+    reference.add_argument("--from", dest="executed", type=Path, default=Path("build/execute"),
+                           help="folder of executed notebooks (make execute)")
+    reference.add_argument("--out", type=Path, default=None, help="default: labkit/reference_runs")
     bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
     bundle.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
     bundle.add_argument("--out", type=Path, default=Path("build/student-bundle.zip"), help="zip file to write")
@@ -90,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         return _execute(args)
     if args.command == "bundle":
         return _bundle(args)
+    if args.command == "reference":
+        from . import reference
+
+        for path in reference.build(args.executed, **({"out": args.out} if args.out else {})):
+            print(f"wrote {path}")
+        return 0
     unknown = set(args.backends or []) - set(bench.attn.BACKENDS) - {"auto"}
     if unknown:
         print(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(bench.attn.BACKENDS)}, auto",

@@ -9,6 +9,10 @@
 - :func:`check_step`: a GPT-2 step's loss and gradients under context parallelism vs one GPU.
 - :func:`launch`: run the command from Python (a notebook) and return its JSON result.
 
+``--cpu`` runs CPU processes (gloo) on a machine with GPUs too: the command starts itself again
+with no GPU visible (``CUDA_VISIBLE_DEVICES=""``), so a one-GPU machine can run the two-process
+comparison that otherwise needs two GPUs.
+
 Both checks use the 2x rule: the bf16 result's error against fp32 on one GPU may be at most
 twice the error of plain bf16 on one GPU (the loss also passes within 0.1% of the fp32 loss).
 
@@ -43,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="small", choices=list(cptrain.gpt2.SIZES), help="GPT-2 size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="compare attention and a step with one GPU instead")
+    p.add_argument("--cpu", action="store_true", help="CPU processes (gloo) even where GPUs exist: the GPUs are hidden")
     p.add_argument("--json", type=Path, default=None, help="write rank 0's result (all ranks) here")
     return p
 
@@ -85,6 +90,8 @@ def _setup(single: bool):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    if args.cpu and os.environ.get("CUDA_VISIBLE_DEVICES") != "":  # this process may have seen the GPUs already
+        return subprocess.call([sys.executable, "-m", "labkit", "cp-train", *argv], env=_cpu_env())
     if args.nproc and args.nproc > 1 and not args.single and "LOCAL_RANK" not in os.environ:
         if torch.cuda.is_available() and torch.cuda.device_count() < args.nproc:
             raise SystemExit(f"cp-train: --nproc {args.nproc} needs one GPU per process; this machine has "
@@ -107,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _cpu_env() -> dict[str, str]:
+    """This environment with no GPU visible (for ``--cpu``)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -127,27 +139,33 @@ def _report(rows: list[dict], args) -> None:
             print(json.dumps(row))
     else:
         for r in rows:
+            peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f} GiB"  # None: a CPU keeps no peak counter
+            ring = f" K/V by {r['rotate']}" if r.get("rotate") else ""
             print(f"rank {r['rank']}/{r['world']}: N={r['N']:,} local={r['local_tokens']:,} loss={r['losses'][-1]:.4f} "
-                  f"step={r['step_s']:.2f} s tokens/s={r['tokens_per_s']:,.0f} peak={r['peak_gib']:.2f} GiB "
-                  f"model={r['predicted_gib']:.2f} GiB ({r['device']})")
+                  f"step={r['step_s']:.2f} s tokens/s={r['tokens_per_s']:,.0f} peak={peak} "
+                  f"model={r['predicted_gib']:.2f} GiB ({r['device']}{ring})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1))
 
 
-def launch(nproc: int, seq_len: int, *options: str, timeout: float = 600.0) -> list[dict]:
+def launch(nproc: int, seq_len: int, *options: str, cpu: bool = False, verbose: bool = False,
+           timeout: float = 600.0) -> list[dict]:
     """Run ``python -m labkit cp-train`` with ``nproc`` processes (1: ``--single``); its rows per rank.
 
-    ``options`` are further command-line flags (e.g. ``"--checkpointing"``). The output streams to
-    this process's stdout. Raises RuntimeError if the command fails.
+    ``options`` are further command-line flags (e.g. ``"--checkpointing"``); ``cpu``: CPU processes
+    (gloo) with the GPUs hidden (``--cpu``). Prints the command, and the command's own report only
+    with ``verbose`` or when it fails. Raises RuntimeError if the command fails.
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         mode = ["--single"] if nproc == 1 else ["--nproc", str(nproc)]
-        cmd = [sys.executable, "-m", "labkit", "cp-train", "--seq-len", str(seq_len), *mode, *options,
-               "--json", str(out)]
-        done = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
-        print(done.stdout[-4000:], done.stderr[-2000:] if done.returncode else "", sep="\n")
+        args = ["--seq-len", str(seq_len), *mode, *options, *(["--cpu"] if cpu else [])]
+        print("$ python -m labkit cp-train", " ".join(args), flush=True)
+        done = subprocess.run([sys.executable, "-m", "labkit", "cp-train", *args, "--json", str(out)],
+                              timeout=timeout, capture_output=True, text=True, env=_cpu_env() if cpu else None)
+        if verbose or done.returncode or not out.exists():
+            print(done.stdout[-4000:], done.stderr[-2000:] if done.returncode else "", sep="\n")
         if not out.exists():
             raise RuntimeError(f"cp-train exited with status {done.returncode} without a result.")
         return json.loads(out.read_text())

@@ -12,7 +12,13 @@ over the mesh. What the model must do for it (found on PyTorch 2.11, 2x H200):
   (tensors that require grad cannot be resized: make leaves inside the context);
 - each rank's loss is the sum over its tokens divided by the global count (the chunked loss of
   ``lk.levers.lm_loss``), and gradients are summed across ranks before the optimizer step: the
-  result is the gradient of the global mean, as on one GPU.
+  result is the gradient of the global mean, as on one GPU;
+- K/V travel as a ring (:data:`ROTATE_METHOD`, set by :func:`use_ring` before each
+  ``context_parallel``): torch's default, ``"allgather"``, gathers the other ranks' K/V in one
+  collective, so every rank holds the whole sequence's K/V of a layer (memory that grows with N,
+  not N/P) and that one transfer must hide behind the first step's compute alone;
+  ``"alltoall"`` passes each rank's chunk to the next, step by step, as notebook 07 teaches and
+  :mod:`labkit.cpmem` models. (The backward passes dK/dV hop by hop whatever the setting.)
 
 :func:`train` runs the measured steps; :mod:`labkit.cprun` is ``python -m labkit cp-train`` (it
 starts itself under ``torchrun`` for ``--nproc`` > 1) and its check against one GPU. Torch's ring
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,6 +40,7 @@ import torch.nn.functional as F
 from . import cpmem, gpt2, levers, longmem
 
 ATTN_NAME = "labkit_cp"
+ROTATE_METHOD = "alltoall"  # torch's name for the ring: each rank passes its K/V chunk to the next, P-1 hops
 MLP_CHUNKS = 16  # --chunked-mlp: positions per chunk = ceil(local tokens / MLP_CHUNKS)
 
 
@@ -91,13 +99,43 @@ def make_batch(n: int, vocab: int, device: torch.device, seed: int = 0) -> list[
     return [ids, torch.arange(n, device=device)[None], labels]
 
 
+def use_ring(method: str = ROTATE_METHOD) -> str:
+    """Make torch's context parallelism rotate K/V by ``method`` ("alltoall": the ring); returns the
+    method in effect (:func:`rotate_method`).
+
+    ``set_rotate_method`` is a private module's function (``torch.distributed.tensor.experimental.
+    _attention``, in torch 2.11 and 2.13): where it is missing, a warning says so and torch's
+    default stays in effect.
+    """
+    try:
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+    except ImportError:
+        warnings.warn(f"this torch ({torch.__version__}) has no set_rotate_method: context parallelism keeps "
+                      f"its default K/V rotation ({rotate_method()}), which lk.cpmem models too.", stacklevel=2)
+    else:
+        set_rotate_method(method)
+    return rotate_method()
+
+
+def rotate_method() -> str:
+    """How torch's context parallelism moves K/V now: "alltoall" (the ring) or "allgather" (torch's
+    default where it cannot be read)."""
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+    except ImportError:
+        return "allgather"
+    return "alltoall" if getattr(_cp_options.rotate_method, "name", "") == "ALL_TO_ALL" else "allgather"
+
+
 def sharded(mesh, buffers: list[torch.Tensor], seq_dim: int = 1):
-    """context_parallel over ``mesh``, sharding ``buffers`` (plain tensors) in place along ``seq_dim``
-    and not restoring them; nothing when mesh is None."""
+    """context_parallel over ``mesh`` with K/V passed as a ring (:func:`use_ring`), sharding
+    ``buffers`` (plain tensors) in place along ``seq_dim`` and not restoring them; nothing when
+    mesh is None."""
     if mesh is None:
         return contextlib.nullcontext()
     from torch.distributed.tensor.experimental import context_parallel
 
+    use_ring()
     return context_parallel(mesh, buffers=buffers, buffer_seq_dims=[seq_dim] * len(buffers),
                             no_restore_buffers=set(buffers))
 
@@ -131,7 +169,9 @@ def train(args, mesh, device: torch.device) -> dict:
 
     Returns:
         dict for this rank: rank, world, N, local_tokens, losses, step_s, tokens_per_s (global tokens
-        of the timed step), peak_gib (CUDA; NaN on CPU) and predicted_gib (``lk.cpmem``).
+        of the timed step), peak_gib (CUDA; None on a CPU, which keeps no peak counter),
+        predicted_gib (``lk.cpmem``, for the K/V rotation in effect) and rotate (that rotation;
+        None on one device).
     """
     world = mesh.size() if mesh is not None else 1
     local = -(-args.seq_len // world)
@@ -151,17 +191,20 @@ def train(args, mesh, device: torch.device) -> dict:
             torch.cuda.synchronize(device)
         step_s = time.perf_counter() - t0
     shape = longmem.model_shape(model.config)
+    rotate = rotate_method() if mesh is not None else None
     predicted = cpmem.cp_memory(shape, seq_len=args.seq_len, world=world, checkpointing=args.checkpointing,
-                                chunk_size=args.chunk_size, chunked_mlp=args.chunked_mlp)["total"]
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+                                chunk_size=args.chunk_size, chunked_mlp=args.chunked_mlp,
+                                rotate=rotate or ROTATE_METHOD)["total"]
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return dict(rank=dist.get_rank() if mesh is not None else 0, world=world, N=args.seq_len, local_tokens=local,
                 losses=losses, step_s=step_s, tokens_per_s=args.seq_len / step_s, peak_gib=peak,
-                predicted_gib=predicted / 2**30, checkpointing=args.checkpointing, chunked_mlp=args.chunked_mlp,
-                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+                predicted_gib=predicted / 2**30, rotate=rotate, checkpointing=args.checkpointing,
+                chunked_mlp=args.chunked_mlp, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
 
 
 def _dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-__all__ = ["ATTN_NAME", "MLP_CHUNKS", "build_model", "cp_attention", "loss_and_grads", "make_batch", "sharded", "train"]
+__all__ = ["ATTN_NAME", "MLP_CHUNKS", "ROTATE_METHOD", "build_model", "cp_attention", "loss_and_grads", "make_batch",
+           "rotate_method", "sharded", "train", "use_ring"]

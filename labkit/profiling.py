@@ -121,8 +121,13 @@ def kernel_table(prof, *, top: int | None = 12) -> pd.DataFrame:
 
 
 def export_trace(prof, path: str | Path) -> Path:
-    """Write the profile as Chrome-trace JSON (open it in https://ui.perfetto.dev)."""
-    path = Path(path)
+    """Write the profile as Chrome-trace JSON (open it in https://ui.perfetto.dev).
+
+    A relative ``path`` is taken from the working directory, which in Jupyter is the notebook's
+    folder: ``"traces/x.json"`` lands beside the notebook, where a remote JupyterLab's file browser
+    can download it (a file under /tmp it cannot reach). Returns the absolute path, to print.
+    """
+    path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     return path

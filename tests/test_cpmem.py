@@ -52,3 +52,17 @@ def test_table_and_longest_sequence():
 def test_bad_world():
     with pytest.raises(ValueError, match="world"):
         cpmem.cp_memory(SMALL, seq_len=4, world=8)
+
+
+def test_ring_rotation_shrinks_with_p_allgather_grows_with_n():
+    """As a ring ("alltoall", what lk.cptrain sets) the K/V in flight are the local tokens'; torch's
+    default all-gather keeps the other devices' K/V too: 4 bytes (K and V, bf16) per hidden unit and token."""
+    n, h = 1 << 20, SMALL.n_embd
+    for world in (2, 4, 8):
+        ring, gather = (cpmem.cp_memory(SMALL, seq_len=n, world=world, rotate=r) for r in cpmem.ROTATIONS)
+        assert ring["ring"] == cpmem.RING_BYTES * (n // world) * h
+        assert gather["ring"] - ring["ring"] == pytest.approx(cpmem.GATHER_BYTES * (n - n // world) * h)
+        assert gather["total"] - ring["total"] == pytest.approx(gather["ring"] - ring["ring"])
+    assert cpmem.cp_memory(SMALL, seq_len=n, world=1, rotate="allgather")["ring"] == 0
+    with pytest.raises(ValueError, match="rotate"):
+        cpmem.cp_memory(SMALL, seq_len=n, world=2, rotate="ring")

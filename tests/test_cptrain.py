@@ -78,6 +78,36 @@ def test_single_step_equals_lm_loss(checkpointing):
     assert batch[0].shape == (1, 64)  # the caller's batch stays whole
 
 
+def test_use_ring_sets_torchs_rotation_to_the_ring():
+    """torch's context parallelism all-gathers K/V unless told otherwise; lk.cptrain sets the ring
+    ("alltoall") before each context_parallel, and reports what is in effect."""
+    from torch.distributed.tensor.experimental import _attention
+
+    before = _attention._cp_options.rotate_method
+    try:
+        _attention.set_rotate_method("allgather")
+        assert cptrain.rotate_method() == "allgather"
+        assert cptrain.use_ring() == "alltoall" == cptrain.ROTATE_METHOD == cptrain.rotate_method()
+    finally:
+        _attention._cp_options.rotate_method = before
+
+
+def test_use_ring_without_set_rotate_method_warns(monkeypatch):
+    """A torch without set_rotate_method keeps its default: a warning, and the method in effect."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_setter(name, globals=None, locals=None, fromlist=(), level=0):
+        if name.endswith("experimental._attention") and fromlist and "set_rotate_method" in fromlist:
+            raise ImportError("cannot import name 'set_rotate_method'")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_setter)
+    with pytest.warns(UserWarning, match="set_rotate_method"):
+        assert cptrain.use_ring() in ("alltoall", "allgather")
+
+
 def _gloo_rank(rank: int, port: int, conn, work, args: tuple) -> None:
     """One of 2 forked gloo processes: ``work(mesh, *args)`` on a 1-D CPU mesh, its result sent back."""
     import torch.distributed as dist
@@ -107,9 +137,12 @@ def on_two_gloo_processes(work, *args, timeout: float = 180) -> list:
 
 
 def _shards(mesh) -> list[list]:
+    from torch.distributed.tensor.experimental import _attention
+
+    _attention.set_rotate_method("allgather")  # torch's default: sharded() must set the ring
     buffers = [t.clone() for t in cptrain.make_batch(16, 256, torch.device("cpu"), seed=3)]
     with cptrain.sharded(mesh, buffers):
-        return [t.tolist() for t in buffers]
+        return [t.tolist() for t in buffers] + [cptrain.rotate_method()]
 
 
 def test_sharded_buffers_keep_positions_and_labels_aligned():
@@ -118,7 +151,8 @@ def test_sharded_buffers_keep_positions_and_labels_aligned():
     shards = on_two_gloo_processes(_shards, timeout=60)
     ids = cptrain.make_batch(16, 256, torch.device("cpu"), seed=3)[0][0].tolist()
     assert [s[1][0] for s in shards] == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
-    for s_ids, s_pos, s_labels in shards:
+    assert [s[3] for s in shards] == ["alltoall", "alltoall"]  # K/V as a ring inside the context
+    for s_ids, s_pos, s_labels, _ in shards:
         assert s_ids[0] == [ids[p] for p in s_pos[0]]
         assert s_labels[0] == [ids[p + 1] if p + 1 < 16 else -100 for p in s_pos[0]]
 
@@ -155,6 +189,7 @@ def test_context_parallel_step_on_two_cpu_processes(levers):
         assert check["ok"], check
         assert [r["rank"] for r in rows] == [0, 1] and all(r["local_tokens"] == 128 for r in rows)
         assert rows[0]["losses"] == rows[1]["losses"] and rows[0]["losses"][0] == pytest.approx(loss, rel=1e-5)
+        assert all(r["rotate"] == "alltoall" and r["peak_gib"] is None for r in rows)  # no NaN: a CPU has no counter
 
 
 def run_cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -171,6 +206,7 @@ def test_cli_single_on_cpu(tmp_path):
     assert row["world"] == 1 and row["N"] == 256 and len(row["losses"]) == 2
     assert row["losses"][1] < row["losses"][0]  # the first AdamW step lowered the loss on this sequence
     assert "tokens/s=" in done.stdout and row["predicted_gib"] > 0
+    assert row["peak_gib"] is None and "peak=n/a" in done.stdout and "nan" not in done.stdout.lower()
 
 
 def test_cli_context_parallel_on_cpu_processes(tmp_path):
@@ -186,6 +222,30 @@ def test_cli_context_parallel_on_cpu_processes(tmp_path):
     (single,), cp = rows[1], rows[2]
     assert [r["rank"] for r in cp] == [0, 1] and all(r["world"] == 2 and r["local_tokens"] == 128 for r in cp)
     assert cp[0]["losses"][0] == pytest.approx(single["losses"][0], rel=1e-5)
+
+
+def test_cli_cpu_hides_the_gpus(monkeypatch):
+    """--cpu: the command runs again with no GPU visible (so a one-GPU machine can run 2 CPU processes);
+    launch(cpu=True) passes that environment and the flag, and prints the command."""
+    from labkit import cprun
+
+    calls = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(cprun.subprocess, "call", lambda cmd, env=None: calls.append((cmd, env)) or 0)
+    assert cprun.main(["--nproc", "2", "--seq-len", "256", "--cpu"]) == 0
+    ((cmd, env),) = calls
+    assert cmd[cmd.index("cp-train") + 1:] == ["--nproc", "2", "--seq-len", "256", "--cpu"]
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+
+    class Done:
+        returncode, stdout, stderr = 1, "", "boom"
+
+    runs = []
+    monkeypatch.setattr(cprun.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)) or Done())
+    with pytest.raises(RuntimeError, match="without a result"):
+        cprun.launch(2, 256, "--size", "tiny", cpu=True)
+    cmd, kw = runs[0]
+    assert "--cpu" in cmd and kw["env"]["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def test_cli_asks_for_one_gpu_per_process(monkeypatch):

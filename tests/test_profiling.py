@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -85,6 +86,17 @@ def test_export_trace_and_counts(cpu_profiles, tmp_path):
     json.loads(path.read_text())  # valid JSON for Perfetto / chrome://tracing
     counts = PF.trace_counts(path).set_index("category")["events"]
     assert counts["cpu_op"] > 0
+
+
+def test_export_trace_beside_the_notebook_returns_an_absolute_path(tmp_path, monkeypatch):
+    """A notebook writes traces/ relative to its own folder (the kernel's working directory) and prints
+    the absolute path the call returns."""
+    monkeypatch.chdir(tmp_path)
+    a = torch.ones(8, 8)
+    prof = PF.profile_fn(lambda: a @ a, reps=1, warmup=0, device="cpu")  # a trace can be saved once per profile
+    path = PF.export_trace(prof, "traces/trace_reference.json")
+    assert path.is_absolute() and path == (tmp_path / "traces" / "trace_reference.json").resolve()
+    assert path.exists() and path.relative_to(Path.cwd()) == Path("traces/trace_reference.json")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")

@@ -1,0 +1,75 @@
+"""Student-facing text stands alone and speaks Taiwan's Traditional Chinese, one term per concept.
+
+Checked: the student notebooks (every cell), the solution notebooks (model answers and printed
+strings are student-facing too: the instructor returns them as feedback), labkit's source (its
+printed notices and test-cell messages) and the stored reference run's outputs.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Words that refer to documents the student never had, or speak in the instructor's voice.
+HISTORY = re.compile(r"原始講義|種子|舊教材|舊版的示範|Lab-1\.4|seed-style|the seed's|seed's reading|超越同儕|本課程對解答核心設下的目標")
+# Mainland terms -> the Taiwan term the course uses for the concept.
+TERMS = {
+    "啟用值": "激活值", "優化器": "最佳化器", "設置": "設定", "報錯": "丟出錯誤", "線程": "執行緒", "默認": "預設",
+    "軟件": "軟體", "硬件": "硬體", "網絡": "網路", "調用": "呼叫", "變量": "變數", "內存": "記憶體", "緩存": "快取",
+    "接口": "介面", "代碼": "程式碼", "數據": "資料", "(?<!演)算法": "演算法", "位移": "偏移量", "程序": "行程（process）或程式",
+    "重量": "權重",
+}
+MAINLAND = re.compile("|".join(TERMS))
+
+
+def student_facing_files():
+    yield from sorted(ROOT.glob("notebooks/*/*.ipynb"))
+    yield from sorted(ROOT.glob("solutions/*/*.ipynb"))
+    yield from sorted(ROOT.glob("labkit/*.py"))
+    yield from sorted(ROOT.glob("labkit/reference_runs/*.json"))
+
+
+FILES = list(student_facing_files())
+
+
+def hits(pattern: re.Pattern, text: str) -> list[str]:
+    return sorted({text[max(0, m.start() - 12):m.end() + 12].replace("\n", " ") for m in pattern.finditer(text)})
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(ROOT)) for p in FILES])
+def test_no_reference_to_documents_the_student_never_saw(path):
+    found = hits(HISTORY, path.read_text(encoding="utf-8"))
+    assert not found, f"{path.relative_to(ROOT)}: {found}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(ROOT)) for p in FILES])
+def test_taiwan_terms(path):
+    found = hits(MAINLAND, path.read_text(encoding="utf-8"))
+    assert not found, f"{path.relative_to(ROOT)}: {found}; Taiwan usage: " + ", ".join(f"{k}→{v}" for k, v in TERMS.items())
+
+
+def test_the_checks_catch_what_they_are_for():
+    assert hits(HISTORY, "如原始講義所說") and hits(MAINLAND, "優化器狀態") and hits(MAINLAND, "一個程序")
+    assert not hits(MAINLAND, "演算法與最佳化器的狀態") and not hits(HISTORY, "torch.manual_seed(0)")
+
+
+def _estimate(text: str) -> tuple[float, float, str] | None:
+    m = re.search(r"([\d.]+)\s*[–-]\s*([\d.]+)\s*(分鐘|小時|min|h)\b", text)
+    return None if m is None else (float(m[1]), float(m[2]), {"分鐘": "min", "小時": "h"}.get(m[3], m[3]))
+
+
+def test_time_estimates_agree_between_readme_and_each_notebook():
+    import json
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for path in sorted(ROOT.glob("solutions/*/*.ipynb")):
+        row = re.search(rf"^\| `{path.stem}` \| ([^|]+) \|", readme, re.M)
+        assert row, f"README's notebook table has no row for {path.stem}"
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        stated = next(("".join(c["source"]) for c in cells[:3] if "預估時間" in "".join(c["source"])), "")
+        line = next(ln for ln in stated.splitlines() if "預估時間" in ln) if stated else ""
+        assert line, f"{path.stem}: no 預估時間 line in its first cells"
+        assert _estimate(line) == _estimate(row[1]), f"{path.stem}: notebook says {line!r}, README {row[1].strip()!r}"
