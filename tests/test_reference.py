@@ -48,7 +48,7 @@ def test_a_gpu_only_cell_shows_its_own_reference_run(slug, cell):
         f"{slug} {cell.id}: a cell that calls gpu_only must call lk.reference.show({slug!r}, {cell.id!r}) once; found {calls}")
 
 
-@pytest.mark.parametrize("slug, cell", _params())
+@pytest.mark.parametrize("slug, cell", list(_params()))
 def test_the_reference_run_of_a_gpu_only_cell_is_stored(slug, cell):
     run = reference.load(slug)
     assert run is not None and run["cells"].get(cell.id), (
