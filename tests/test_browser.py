@@ -82,7 +82,7 @@ def stop(proc: subprocess.Popen) -> None:
 def make_lab_command() -> list[str]:
     """The command ``make lab`` runs to start JupyterLab, for this interpreter's environment."""
     venv = Path(sys.prefix)
-    out = subprocess.run(["make", "-s", "-n", "-o", f"{venv}/.installed", "lab", f"VENV={venv}"], cwd=ROOT,
+    out = subprocess.run(["make", "-s", "-n", "--no-print-directory", "-o", f"{venv}/.installed", "lab", f"VENV={venv}"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.strip()
     assert len(out.splitlines()) == 1, f"`make -n lab` should print one command:\n{out}"
     return shlex.split(out)
