@@ -5,8 +5,10 @@ allocator itself; this module holds what the notebook measures and the plumbing 
 student's code, never an answer:
 
 - :func:`tensor_bytes`: the bytes a kernel must read and write, counted from the tensors it is given.
-- :func:`sdpa_decode_sweep`: PyTorch SDPA's backends (and FA4 where ``flash_attn.cute`` imports) at
-  query length 1 over context length and batch, as achieved GB/s (a tidy DataFrame).
+- :func:`yardsticks`: the library kernels (SDPA's backends, FA4 with its own split heuristic) as calls on
+  one decode problem, each in its own layout: what the notebook's kernels are measured against.
+- :func:`sdpa_decode_sweep`: those kernels at query length 1 over context length and batch, as achieved
+  GB/s (a tidy DataFrame).
 - :func:`page_table`: per-sequence page lists as the padded int32 table a paged kernel reads.
 - :func:`write_kv`: new tokens' K/V scattered into the pages at the slots an allocator returned.
 - :func:`generate_paged`: greedy generation with a Hugging Face Llama model whose decode attention is
@@ -28,6 +30,9 @@ import torch.nn.functional as F
 from . import measure
 
 SDPA_DECODE_BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
+YARDSTICKS = SDPA_DECODE_BACKENDS + ("fa4",)
+# What a kernel that cannot take an input raises: SDPA's "no available kernel", FA4's asserts and type checks.
+RUN_ERRORS = (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError)
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
@@ -50,13 +55,39 @@ def _sdpa_runner(backend: str, q, k, v) -> Callable[[], torch.Tensor]:
 
 
 def _fa4_runner(q, k, v) -> Callable[[], torch.Tensor] | None:
-    """FlashAttention-4 on bnhd views of the same problem, or None where ``flash_attn.cute`` does not import."""
+    """FlashAttention-4 on q [B, 1, H_q, d] and a cache k, v [B, N, H_kv, d], with its own split heuristic
+    (``num_splits=0``), or None where ``flash_attn.cute`` does not import."""
     try:
         from flash_attn.cute import flash_attn_func
     except Exception:  # noqa: BLE001 - not installed, or no GPU it supports
         return None
-    qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))   # [B, N, H, d]
-    return lambda: flash_attn_func(qb, kb, vb)
+    return lambda: flash_attn_func(q, k, v, num_splits=0)
+
+
+def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               backends: tuple[str, ...] = YARDSTICKS) -> dict[str, Callable[[], torch.Tensor]]:
+    """The library kernels a decode kernel is measured against, each on the same problem in its own layout.
+
+    Args:
+        q: [B, H_q, d], one query token per sequence.
+        k, v: [B, N, H_kv, d], a contiguous cache (bnhd, the layout of the notebook's kernels and of FA4).
+        backends: names from :data:`YARDSTICKS`; "fa4" is left out where ``flash_attn.cute`` does not import.
+
+    Returns:
+        name -> a call without arguments. SDPA gets its own [B, H, N, d] copies of K/V (made here, once,
+        outside any timing) and ``enable_gqa``; FA4 reads the bnhd cache as it is.
+    """
+    unknown = set(backends) - set(YARDSTICKS)
+    if unknown:
+        raise ValueError(f"unknown yardsticks {sorted(unknown)}; choose from {YARDSTICKS}")
+    fns = {}
+    sdpa = [b for b in backends if b in SDPA_DECODE_BACKENDS]
+    if sdpa:
+        qs, ks, vs = q[:, :, None], k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        fns = {name: _sdpa_runner(name, qs, ks, vs) for name in sdpa}
+    if "fa4" in backends and (runner := _fa4_runner(q[:, None], k, v)) is not None:
+        fns["fa4"] = runner
+    return fns
 
 
 def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv: int, d: int,
@@ -68,24 +99,22 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
         batches: batch sizes B.
         h_q, h_kv, d: query heads, key/value heads (GQA when h_kv < h_q), head dim.
         target_ms: timing budget per call (:func:`labkit.measure.time_interleaved`).
-        fa4: also time ``flash_attn.cute.flash_attn_func`` where it imports.
+        fa4: also time ``flash_attn.cute.flash_attn_func`` where it imports (:func:`yardsticks`).
 
     Returns:
         One row per (B, N, backend): ``ms`` (median), ``gb_per_s`` = :func:`tensor_bytes` of q, k, v
         and o over the time, ``status`` ("ok" or the error's first line).
     """
     device = torch.device(device)
+    backends = SDPA_DECODE_BACKENDS + (("fa4",) if fa4 else ())
     rows = []
     for b in batches:
         for n in contexts:
-            q = torch.randn(b, h_q, 1, d, dtype=dtype, device=device)
-            k, v = (torch.randn(b, h_kv, n, d, dtype=dtype, device=device) for _ in range(2))
+            q = torch.randn(b, h_q, d, dtype=dtype, device=device)
+            k, v = (torch.randn(b, n, h_kv, d, dtype=dtype, device=device) for _ in range(2))
             moved = tensor_bytes(q, k, v, q)                     # o has q's size
-            fns = {name: _sdpa_runner(name, q, k, v) for name in SDPA_DECODE_BACKENDS}
-            if fa4 and (runner := _fa4_runner(q, k, v)) is not None:
-                fns["fa4"] = runner
-            timings, errors = measure.time_interleaved(fns, device=device, target_ms=target_ms,
-                                                       errors=(RuntimeError, ValueError, TypeError))
+            fns = yardsticks(q, k, v, backends)
+            timings, errors = measure.time_interleaved(fns, device=device, target_ms=target_ms, errors=RUN_ERRORS)
             for name in fns:
                 ok = name in timings
                 ms = timings[name].median_ms if ok else float("nan")
@@ -93,7 +122,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
                                  bytes=moved, ms=ms, gb_per_s=moved / (ms * 1e-3) / 1e9 if ok else float("nan"),
                                  status="ok" if ok else str(errors[name]).strip().splitlines()[0][:80],
                                  device=device.type))
-            del q, k, v
+            del q, k, v, fns
     return pd.DataFrame(rows)
 
 

@@ -213,8 +213,8 @@ def allocated_bytes(device=None) -> float:
 def peak_memory(fn: Callable[[], object], *, device=None) -> float:
     """Extra GPU bytes allocated at the peak of ``fn()``, above what was allocated before.
 
-    The peak counter is reset *before* the call (seed 002 read it before resetting and
-    reported memory from an earlier cell). Returns NaN on a CPU, where PyTorch keeps no
+    The peak counter is reset *before* the call (read before the reset, it reports memory from an
+    earlier cell). Returns NaN on a CPU, where PyTorch keeps no
     allocator statistics.
     """
     device = as_device(device)

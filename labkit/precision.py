@@ -90,7 +90,7 @@ def safe_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Args:
         q, k, v: as for :func:`labkit.attention.attention` (layout in ``attention_kwargs``).
         compute_dtype: float16 or bfloat16 to run in. Required when q, k, v are not already one
-            half dtype; never guessed (seed 001's "auto fix" silently picked fp16).
+            half dtype; never guessed (an "auto fix" that silently picks fp16 hides the cast from the reader).
         out_dtype: cast the output to this dtype (e.g. back to float32); reported like any cast.
         on_cast: "warn" issues a :class:`CastWarning` per cast; "raise" refuses to cast.
         attention_kwargs: causal, scale, backend, layout, nan_policy for ``lk.attention.attention``.

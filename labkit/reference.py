@@ -109,8 +109,7 @@ def show(notebook: str, cell_id: str) -> None:
     run = load(notebook)
     outputs = None if run is None else run["cells"].get(cell_id)
     if not outputs:
-        print(f"（這個儲存格還沒有課程參考執行的結果：{notebook} / {cell_id}；"
-              "講師可在 GPU 機器上用 `make reference` 產生。）")
+        print(f"（這個儲存格還沒有收錄課程參考執行的結果（{notebook} / {cell_id}）：這一格的數字要在 CUDA GPU 上執行才看得到。）")
         return
     print(heading(run))
     for output in outputs:

@@ -88,6 +88,27 @@ def test_sdpa_decode_sweep_on_cpu_reports_ok_and_unsupported_backends():
     assert (cudnn["status"] != "ok").all() and cudnn["gb_per_s"].isna().all()
 
 
+def test_yardsticks_compute_the_same_attention_on_cpu_and_name_what_they_take():
+    """Each library kernel sees the same problem: SDPA's math backend, given its own bhnd copies, equals float64
+    attention on the bnhd cache; FA4 is absent without flash_attn.cute; unknown names are refused."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 24, 2, 16), torch.randn(2, 24, 2, 16)
+    fns = decode.yardsticks(q, k, v, ("sdpa_math",))
+    assert list(fns) == ["sdpa_math"]
+    got = fns["sdpa_math"]()[:, :, 0]                                   # [B, H_q, d]
+    table = decode.page_table([[0], [1]])
+    want = paged_reference(q.double(), k.reshape(2, 24, 2, 16), v.reshape(2, 24, 2, 16), table, torch.tensor([24, 24]))
+    torch.testing.assert_close(got.double(), want.double(), rtol=0, atol=1e-5)   # fp32 softmax and matmuls vs float64
+    k[0, 0, 0, 0] = 1e3                                                   # SDPA's copies were made when asked for
+    torch.testing.assert_close(fns["sdpa_math"]()[:, :, 0], got)
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001 - no FA4 here: the yardstick is left out, not an error
+        assert "fa4" not in decode.yardsticks(q, k, v, ("fa4",))
+    with pytest.raises(ValueError, match="unknown yardsticks"):
+        decode.yardsticks(q, k, v, ("sdpa_flash", "triton"))
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     transformers = pytest.importorskip("transformers")

@@ -14,13 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Words that refer to documents the student never had, or speak in the instructor's voice.
-HISTORY = re.compile(r"原始講義|種子|舊教材|舊版的示範|Lab-1\.4|seed-style|the seed's|seed's reading|超越同儕|本課程對解答核心設下的目標")
+HISTORY = re.compile(r"原始講義|種子|舊教材|舊版的示範|Lab-1\.4|seed-style|the seed's|seed's reading|\bseed 0\d\d\b|超越同儕|本課程對解答核心設下的目標")
 # Mainland terms -> the Taiwan term the course uses for the concept.
 TERMS = {
-    "啟用值": "激活值", "優化器": "最佳化器", "設置": "設定", "報錯": "丟出錯誤", "線程": "執行緒", "默認": "預設",
+    "啟用值": "激活值", "優化器": "最佳化器", "設置": "設定", "報錯": "拋出錯誤", "丟出": "拋出", "線程": "執行緒", "默認": "預設",
     "軟件": "軟體", "硬件": "硬體", "網絡": "網路", "調用": "呼叫", "變量": "變數", "內存": "記憶體", "緩存": "快取",
     "接口": "介面", "代碼": "程式碼", "數據": "資料", "(?<!演)算法": "演算法", "位移": "偏移量", "程序": "行程（process）或程式",
-    "重量": "權重",
+    "重量": "權重", "信息": "資訊", "打印": "印出", "模塊": "模組", "進程": "行程", "字節": "位元組", "帶寬": "頻寬",
+    "顯存": "GPU 記憶體",
 }
 MAINLAND = re.compile("|".join(TERMS))
 

@@ -94,4 +94,4 @@ def test_show_labels_the_run_and_prints_what_the_cell_printed(tmp_path, monkeypa
     out = capsys.readouterr().out
     assert "課程參考執行" in out and "H100" in out and "2026-11-25" in out and "N=1024: 1.5 ms" in out
     reference.show("99_x", "cell-missing")
-    assert "還沒有課程參考執行的結果" in capsys.readouterr().out
+    assert "還沒有收錄課程參考執行的結果" in capsys.readouterr().out
