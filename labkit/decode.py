@@ -120,7 +120,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
                 ms = timings[name].median_ms if ok else float("nan")
                 rows.append(dict(backend=name, B=b, N=n, h_q=h_q, h_kv=h_kv, d=d, dtype=str(dtype).split(".")[-1],
                                  bytes=moved, ms=ms, gb_per_s=moved / (ms * 1e-3) / 1e9 if ok else float("nan"),
-                                 status="ok" if ok else str(errors[name]).strip().splitlines()[0][:80],
+                                 status="ok" if ok else str(errors[name]).strip().splitlines()[0][:200],
                                  device=device.type))
             del q, k, v, fns
     return pd.DataFrame(rows)
