@@ -1,6 +1,6 @@
 """Command line: ``python -m labkit doctor | bench | execute | reference | bundle | longctx | cp-train``.
 
-- doctor: device, dtypes and which attention backends run here;
+- doctor: device, dtypes, which attention backends run here, and what ``auto`` picks and why;
 - bench: the attention sweep to CSV and PNG (``--vs-direct``: labkit against the kernels called directly);
 - execute: run every solution notebook here, executed copies and a summary page (instructors);
 - reference: store the GPU-only cells' outputs of an executed GPU run, shown to readers without one;
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "doctor":
         doctor.report()
+        doctor.auto_report()
         return 0
     if args.command == "execute":
         return _execute(args)

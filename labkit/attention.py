@@ -211,6 +211,8 @@ def _check_shapes(q, k, v, layout: str) -> None:
 # ----------------------------------------------------------------------------- auto
 
 _AUTO_CACHE: dict[tuple, str] = {}
+# What the tuning saw, per key: backend -> median ms, or the error that dropped it (read by labkit.explain).
+_AUTO_TIMINGS: dict[tuple, dict[str, float | str]] = {}
 TUNE_MS = 30.0  # timing budget per candidate: with 10 ms, one H100 run picked a kernel 15% slower than the best
 
 
@@ -232,12 +234,21 @@ def auto_choice(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> str:
     activation checkpointing, autocast, ``no_grad`` or ``inference_mode`` the call that tunes
     saves, returns and records exactly what a call that finds the choice cached does.
     """
-    cast, needs_grad = _cast_dtype(q), _needs_grad(q, k, v)
-    key = (q.device, cast or q.dtype, q.shape, k.shape, causal, layout, needs_grad)
+    key = auto_key(q, k, v, causal=causal, layout=layout)
     if key not in _AUTO_CACHE:
         names = auto_candidates(q, k, causal=causal, layout=layout)
-        _AUTO_CACHE[key] = names[0] if len(names) == 1 else _fastest(names, q, k, v, causal, layout, needs_grad, cast)
+        if len(names) == 1:
+            _AUTO_CACHE[key], _AUTO_TIMINGS[key] = names[0], {}
+        else:
+            _AUTO_CACHE[key], _AUTO_TIMINGS[key] = _fastest(names, q, k, v, causal, layout, _needs_grad(q, k, v),
+                                                            _cast_dtype(q))
     return _AUTO_CACHE[key]
+
+
+def auto_key(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> tuple:
+    """What "auto"'s choice depends on: device, the dtype the kernel sees, shapes, causal, layout and
+    whether autograd needs gradients (forward, or forward+backward, is timed)."""
+    return (q.device, _cast_dtype(q) or q.dtype, q.shape, k.shape, causal, layout, _needs_grad(q, k, v))
 
 
 def auto_candidates(q, k, *, causal: bool = False, layout: str = "bhnd") -> list[str]:
@@ -249,8 +260,10 @@ def auto_candidates(q, k, *, causal: bool = False, layout: str = "bhnd") -> list
     return [b for b in runnable if b != "sdpa_math"] or runnable or ["reference"]
 
 
-def _fastest(names: list[str], q, k, v, causal: bool, layout: str, needs_grad: bool, cast) -> str:
-    """Time ``names`` against each other in a fresh thread; the fastest (the first if none ran)."""
+def _fastest(names: list[str], q, k, v, causal: bool, layout: str, needs_grad: bool,
+             cast) -> tuple[str, dict[str, float | str]]:
+    """Time ``names`` against each other in a fresh thread: (the fastest, or the first if none ran;
+    {name: median ms, or the first line of the error that dropped it})."""
     outcome: dict[str, object] = {}
 
     def tune() -> None:
@@ -258,8 +271,9 @@ def _fastest(names: list[str], q, k, v, causal: bool, layout: str, needs_grad: b
             if q.device.type == "cuda":
                 torch.cuda.set_device(q.device)  # the current device is per thread
             steps = {name: _step(_plan(name, layout, causal, needs_grad, cast), q, k, v, needs_grad) for name in names}
-            outcome["timings"], _ = time_interleaved(steps, device=q.device, warmup=2, target_ms=TUNE_MS,
-                                                     min_reps=5, max_reps=200, flush_l2=True, errors=RUN_ERRORS)
+            outcome["timings"], outcome["failures"] = time_interleaved(
+                steps, device=q.device, warmup=2, target_ms=TUNE_MS, min_reps=5, max_reps=200, flush_l2=True,
+                errors=RUN_ERRORS)
         except BaseException as err:  # handed to the caller's thread
             outcome["error"] = err
 
@@ -269,7 +283,9 @@ def _fastest(names: list[str], q, k, v, causal: bool, layout: str, needs_grad: b
     if "error" in outcome:
         raise outcome["error"]
     timings = outcome["timings"]
-    return min(timings, key=lambda name: timings[name].median_ms) if timings else names[0]
+    seen = {name: timings[name].median_ms for name in timings}
+    seen.update({name: (str(err).strip().splitlines() or [type(err).__name__])[0] for name, err in outcome["failures"].items()})
+    return (min(timings, key=lambda name: timings[name].median_ms) if timings else names[0]), seen
 
 
 def _step(plan: Plan, q, k, v, needs_grad: bool) -> Callable[[], None]:
@@ -310,5 +326,6 @@ def max_error_vs_fp32(o: torch.Tensor, q, k, v, *, causal: bool = False, layout:
     return float((o.detach().float() - ref).abs().max())
 
 
-__all__ = ["BACKENDS", "HALF", "LAYOUTS", "MODES", "AttentionInputError", "attention", "auto_candidates", "auto_choice", "causal_mask",
+__all__ = ["BACKENDS", "HALF", "LAYOUTS", "MODES", "AttentionInputError", "attention", "auto_candidates", "auto_choice",
+           "auto_key", "causal_mask",
            "flops", "max_error_vs_fp32", "native_layout", "reference_attention", "validate", "why_not"]

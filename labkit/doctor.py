@@ -2,6 +2,8 @@
 
 :func:`report` (the first cell of every notebook) prints the device, its dtypes and
 :func:`backend_table`: every attention backend and why it does not run here, if it does not.
+:func:`auto_report` (``python -m labkit doctor`` only: it times kernels) adds what ``backend="auto"``
+picks for one GPT-2 small layer, training and inference, and why (:func:`labkit.explain.auto`).
 
 Used in: every notebook (``lk.doctor.report()``), 01_setup_and_comparison.
 """
@@ -48,6 +50,21 @@ def report(device: str | torch.device | None = None) -> DeviceInfo:
     with _wide_pandas():
         print(table.to_string(index=False))
     return info
+
+
+def auto_report(device: str | torch.device | None = None) -> None:
+    """Print auto's choice, and each backend's role in it, for one GPT-2 small attention layer (B 4, H 12,
+    D 64, causal; N 1024 on a GPU in bf16, 128 on a CPU in fp32): forward+backward, then forward only."""
+    from . import explain
+
+    dev = torch.device(device or default_device())
+    dtype, n = (torch.bfloat16, 1024) if dev.type == "cuda" else (torch.float32, 128)
+    for grad in (True, False):
+        q, k, v = (torch.randn(4, 12, n, 64, device=dev, dtype=dtype, requires_grad=grad) for _ in range(3))
+        table = explain.auto(q, k, v, causal=True)
+        print(f"\nauto for [4, 12, {n}, 64] causal ({table.attrs['situation']}): {table.attrs['chosen']}")
+        with _wide_pandas():
+            print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
 
 
 def _wide_pandas():

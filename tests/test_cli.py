@@ -23,9 +23,11 @@ def test_doctor_subprocess():
     proc = subprocess.run([sys.executable, "-m", "labkit", "doctor"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"torch {torch.__version__}" in proc.stdout and "runs here" in proc.stdout
-    first_words = [line.split()[0] for line in proc.stdout.splitlines() if line.split()]
+    backends_table, _, auto_tables = proc.stdout.partition("auto for ")
+    first_words = [line.split()[0] for line in backends_table.splitlines() if line.split()]
     table_lines = [w for w in first_words if w in lk.attention.BACKENDS]
     assert len(table_lines) == len(lk.attention.BACKENDS), proc.stdout
+    assert proc.stdout.count("auto for ") == 2 and "chosen" in auto_tables, proc.stdout   # training, then inference
 
 
 def test_bench_writes_csv_and_png(tmp_path, capsys):

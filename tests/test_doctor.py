@@ -102,3 +102,10 @@ def test_a_kernel_call_names_the_failing_import(broken_import):
     with pytest.raises(ImportError, match="flash-attn 2.8.3 is installed but .*flash_attn_2_cuda"):
         lk.kernels.RUNNERS["flash_attn"](*(torch.zeros(1, 8, 2, 8, dtype=torch.float16) for _ in range(3)),
                                           False, None, False)
+
+
+def test_auto_report_shows_auto_s_choice_for_training_and_inference(capsys):
+    lk.doctor.auto_report("cpu")
+    out = capsys.readouterr().out
+    assert out.count("auto for [4, 12, 128, 64] causal") == 2
+    assert "forward+backward" in out and "forward only" in out and "sdpa_flash" in out and "cannot run here" in out
