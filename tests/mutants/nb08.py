@@ -14,6 +14,7 @@ RULES = {
     "ex2_decode_kernel": ["o and lse (natural log) equal float64 attention with K/V repeated per group",
                           "tail tile masked (N not a multiple of the block)",
                           "GQA: KV head j serves query heads j*g .. j*g+g-1 (g = 4 and g = 3 padded to 16 rows)",
+                          "padded rows (g = 3 in 16) neither read nor written: o and lse stores masked",
                           "scores near 1e3: the max subtracted, the state rescaled",
                           "a fully masked tile: no NaN; a row with no key gets o = 0, lse = -inf",
                           "bf16 in: bf16 o, fp32 lse",
@@ -69,6 +70,10 @@ MISTAKES = {
         ("no -inf guard: a fully masked tile gives -inf - -inf", 'shift = tl.where(m_new == float("-inf"), 0.0, m_new)',
          "shift = m_new"),
         ("_finish divides by l = 0", "    l_safe = tl.where(empty, 1.0, l_i)\n", "    l_safe = l_i\n"),
+        ("o stored without the row mask (padded rows written)", "o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])",
+         "o.to(o_ptr.dtype.element_ty))"),
+        ("lse stored without the row mask", "tl.store(lse_ptr + b * H_KV * G + heads, lse, mask=row_ok)",
+         "tl.store(lse_ptr + b * H_KV * G + heads, lse)"),
     ],
     "ex3_split_kernel": [
         ("floor instead of ceil for the SM fill", "fill = -(-n_sms // (batch * n_kv_heads))", "fill = n_sms // (batch * n_kv_heads)"),
