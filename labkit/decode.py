@@ -176,8 +176,9 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
         new_tokens: tokens to generate per sequence.
         allocator: the student's page allocator: ``append(seq, n) -> slots [n]``, ``pages(seq)``,
             ``length(seq)``, ``free(seq)``; sequences are named 0..B-1.
-        attend: ``attend(q [B, H_q, d], k_pages, v_pages, block_table [B, P] int32, seqlens [B] int32)``
-            -> o [B, H_q, d].
+        attend: ``attend(q [B, H_q, d], k_pages, v_pages, block_table [B, P] int32, seqlens [B] int32,
+            max_len)`` -> o [B, H_q, d]; ``max_len`` is the longest sequence as a Python int (known on the
+            host here, so the kernel's wrapper need not read ``seqlens.max()``, a GPU -> CPU sync per layer).
         k_pages, v_pages: per layer, [num_pages, page_size, H_kv, d].
 
     Returns:
@@ -198,7 +199,8 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
             h = inner.embed_tokens(ids)                               # [B, n, hidden]
             cos, sin = inner.rotary_emb(h, pos)
             table = page_table([allocator.pages(s) for s in range(b)], device=ids.device)
-            lens = torch.tensor([allocator.length(s) for s in range(b)], dtype=torch.int32, device=ids.device)
+            lengths = [allocator.length(s) for s in range(b)]
+            lens = torch.tensor(lengths, dtype=torch.int32, device=ids.device)
             for i, layer in enumerate(layers):
                 attn, x = layer.self_attn, layer.input_layernorm(h)
                 q, k, v = (proj(x).view(b, n, -1, d).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
@@ -208,7 +210,7 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
                 if step == 0:                                         # prefill: causal over the prompt
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
                 else:                                                 # decode: the student's kernel
-                    o = attend(q[:, :, 0].contiguous(), k_pages[i], v_pages[i], table, lens)[:, None]
+                    o = attend(q[:, :, 0].contiguous(), k_pages[i], v_pages[i], table, lens, max(lengths))[:, None]
                 h = h + attn.o_proj(o.reshape(b, n, -1).to(h.dtype))
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
             logits = model.lm_head(inner.norm(h[:, -1]))              # [B, vocab]

@@ -23,6 +23,7 @@ RULES = {
                           "compiles for sm80 and sm90"],
     "ex3_split_kernel": ["split count: ceil(SMs / (batch x H_kv)), capped at ceil(max_len / block), at least 1",
                          "partials equal attention over each split's own keys: S = 1, S = 3 with a tail, GQA",
+                         "padded rows (g = 3 in 16) not written outside the partials",
                          "per-sequence lengths (0, shorter than a split, not a multiple of the block)",
                          "splits with no key: o = 0, lse = -inf, no NaN",
                          "each split reads only its own keys (elements counted)",
@@ -39,7 +40,8 @@ RULES = {
                            "out of pages: MemoryError naming the pages needed and free, and nothing changed (no new sequence registered)",
                            "free returns every page and forgets the sequence; pages reused; KeyError for unknown sequences",
                            "any hashable sequence name; no labkit"],
-    "ex6_paged_kernel": ["partials and merged o equal attention over the contiguous cache: pages in order and shuffled",
+    "ex6_paged_kernel": ["padded rows (g = 3 in 16) not written outside the partials",
+                         "partials and merged o equal attention over the contiguous cache: pages in order and shuffled",
                          "per-sequence lengths (0, not a multiple of the page); GQA; S = 1 and 3",
                          "only tokens within the length read; page-table padding not read (elements counted)",
                          "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
@@ -83,6 +85,7 @@ MISTAKES = {
         ("every split starts at key 0", "lo = s * CHUNK", "lo = 0"),
         ("sequence length ignored", "hi = tl.minimum(lo + CHUNK, n_b)", "hi = tl.minimum(lo + CHUNK, N)"),
         ("partials stored without the split index", "part = (b * H_KV * G + heads) * S + s", "part = (b * H_KV * G + heads) * S"),
+        ("partials stored without the row mask", "o, mask=row_ok[:, None])", "o)"),
     ],
     "ex4_combine_kernel": [
         ("plain average of the partials", "w = tl.exp(lse_s - shift)",
@@ -115,6 +118,7 @@ MISTAKES = {
         ("last page not masked by the length", "inside = start + offs_p < hi", "inside = start + offs_p < lo + CHUNK"),
         ("K/V head offset missing", " + j * HEAD_DIM + offs_d[None, :]", " + offs_d[None, :]"),
         ("page offset not scaled by the page size", "(page * PAGE_SIZE + offs_p)", "(page + offs_p)"),
+        ("partials stored without the row mask", "o, mask=row_ok[:, None])", "o)"),
     ],
 }
 
