@@ -81,7 +81,7 @@ def _new_plan(q, k, v, *, causal, backend, layout, nan_policy) -> Plan:
     """Validate, resolve "auto", build the plan and cache it under its key."""
     validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy="ignore")
     _check_choice("nan_policy", nan_policy, NAN_POLICIES)
-    cast, needs_grad = _cast_dtype(q), _needs_grad(q, k, v)
+    cast, needs_grad = _cast_dtype(q), grad_needed(q, k, v)
     name = auto_choice(q, k, v, causal=causal, layout=layout) if backend == "auto" else backend
     plan = _plan(name, layout, causal, needs_grad, cast)
     if len(_PLANS) >= MAX_PLANS:
@@ -112,7 +112,7 @@ def _traced_attention(q, k, v, causal, scale, backend, layout, nan_policy) -> to
     graph); "auto" is resolved outside the graph, on real tensors."""
     validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy=nan_policy)
     name = _auto_outside_graph(q, k, v, causal, layout) if backend == "auto" else backend
-    return _plan(name, layout, causal, _needs_grad(q, k, v), _cast_dtype(q))(q, k, v, scale)
+    return _plan(name, layout, causal, grad_needed(q, k, v), _cast_dtype(q))(q, k, v, scale)
 
 
 @torch.compiler.disable
@@ -120,7 +120,8 @@ def _auto_outside_graph(q, k, v, causal: bool, layout: str) -> str:
     return auto_choice(q, k, v, causal=causal, layout=layout)
 
 
-def _needs_grad(q, k, v) -> bool:
+def grad_needed(q, k, v) -> bool:
+    """Whether autograd needs gradients of a call on q, k, v (then "auto" times forward+backward)."""
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
@@ -234,21 +235,33 @@ def auto_choice(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> str:
     activation checkpointing, autocast, ``no_grad`` or ``inference_mode`` the call that tunes
     saves, returns and records exactly what a call that finds the choice cached does.
     """
-    key = auto_key(q, k, v, causal=causal, layout=layout)
+    key = _auto_key(q, k, v, causal, layout)
     if key not in _AUTO_CACHE:
         names = auto_candidates(q, k, causal=causal, layout=layout)
         if len(names) == 1:
             _AUTO_CACHE[key], _AUTO_TIMINGS[key] = names[0], {}
         else:
-            _AUTO_CACHE[key], _AUTO_TIMINGS[key] = _fastest(names, q, k, v, causal, layout, _needs_grad(q, k, v),
+            _AUTO_CACHE[key], _AUTO_TIMINGS[key] = _fastest(names, q, k, v, causal, layout, grad_needed(q, k, v),
                                                             _cast_dtype(q))
     return _AUTO_CACHE[key]
 
 
-def auto_key(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> tuple:
+def auto_timings(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> dict[str, float | str]:
+    """What tuning "auto" for tensors like these measured: {backend: median ms, or the first line of the
+    error that dropped it}; empty when there was a single candidate (nothing timed). Tunes if needed."""
+    auto_choice(q, k, v, causal=causal, layout=layout)
+    return dict(_AUTO_TIMINGS[_auto_key(q, k, v, causal, layout)])
+
+
+def kernel_dtype(q) -> torch.dtype:
+    """The dtype the kernel sees for q: the autocast dtype for fp32 q under autocast, else q's."""
+    return _cast_dtype(q) or q.dtype
+
+
+def _auto_key(q, k, v, causal: bool, layout: str) -> tuple:
     """What "auto"'s choice depends on: device, the dtype the kernel sees, shapes, causal, layout and
     whether autograd needs gradients (forward, or forward+backward, is timed)."""
-    return (q.device, _cast_dtype(q) or q.dtype, q.shape, k.shape, causal, layout, _needs_grad(q, k, v))
+    return (q.device, kernel_dtype(q), q.shape, k.shape, causal, layout, grad_needed(q, k, v))
 
 
 def auto_candidates(q, k, *, causal: bool = False, layout: str = "bhnd") -> list[str]:
@@ -327,5 +340,5 @@ def max_error_vs_fp32(o: torch.Tensor, q, k, v, *, causal: bool = False, layout:
 
 
 __all__ = ["BACKENDS", "HALF", "LAYOUTS", "MODES", "AttentionInputError", "attention", "auto_candidates", "auto_choice",
-           "auto_key", "causal_mask",
+           "auto_timings", "causal_mask", "grad_needed", "kernel_dtype",
            "flops", "max_error_vs_fp32", "native_layout", "reference_attention", "validate", "why_not"]

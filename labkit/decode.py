@@ -28,11 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from . import measure
+from .kernels import RUN_ERRORS  # what a kernel that cannot take an input raises (SDPA, FA4)
 
 SDPA_DECODE_BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
 YARDSTICKS = SDPA_DECODE_BACKENDS + ("fa4",)
-# What a kernel that cannot take an input raises: SDPA's "no available kernel", FA4's asserts and type checks.
-RUN_ERRORS = (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError)
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
@@ -80,11 +79,10 @@ def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     unknown = set(backends) - set(YARDSTICKS)
     if unknown:
         raise ValueError(f"unknown yardsticks {sorted(unknown)}; choose from {YARDSTICKS}")
-    fns = {}
     sdpa = [b for b in backends if b in SDPA_DECODE_BACKENDS]
     if sdpa:
         qs, ks, vs = q[:, :, None], k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-        fns = {name: _sdpa_runner(name, qs, ks, vs) for name in sdpa}
+    fns = {name: _sdpa_runner(name, qs, ks, vs) for name in sdpa}
     if "fa4" in backends and (runner := _fa4_runner(q[:, None], k, v)) is not None:
         fns["fa4"] = runner
     return fns

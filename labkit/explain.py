@@ -13,7 +13,7 @@ like the ones given, and returns one row per backend:
 ``df.attrs`` holds ``chosen`` and ``situation`` (device, the dtype the kernel sees, forward or
 forward+backward, how the candidates were timed).
 
-Used in: 01_setup_and_comparison (and by anyone asking why auto picked a kernel).
+Used in: 02_gpt2_integration, ``python -m labkit doctor`` (:func:`labkit.doctor.auto_report`).
 """
 from __future__ import annotations
 
@@ -43,9 +43,8 @@ def auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = Fa
 
     attn.validate(q, k, v, causal=causal, backend="auto", layout=layout, nan_policy="ignore")
     chosen = attn.auto_choice(q, k, v, causal=causal, layout=layout)
-    seen = attn._AUTO_TIMINGS.get(attn.auto_key(q, k, v, causal=causal, layout=layout), {})
-    candidates = attn.auto_candidates(q, k, causal=causal, layout=layout)
-    dtype = attn._cast_dtype(q) or q.dtype
+    seen = attn.auto_timings(q, k, v, causal=causal, layout=layout)
+    dtype = attn.kernel_dtype(q)
     qb, kb = (q, k) if layout == "bhnd" else (q.transpose(1, 2), k.transpose(1, 2))
     chosen_ms = seen.get(chosen) if isinstance(seen.get(chosen), float) else None
     rows = []
@@ -61,11 +60,9 @@ def auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = Fa
             row = dict(role="failed while timing", why=ms)
         elif problem is not None:
             row = dict(role="cannot run here", why=problem)
-        elif name not in candidates:
+        else:  # runs here, yet not timed: the fallbacks (auto_candidates)
             row = dict(role="not a candidate", why="the yardstick: auto runs it only where nothing else can"
                        if name == "reference" else "auto takes it only where no fused kernel runs")
-        else:  # a candidate auto has not timed: the choice was cached before this one could run
-            row = dict(role="not a candidate", why="not among the candidates when this choice was made")
         row.update(backend=name, median_ms=ms if isinstance(ms, float) else float("nan"))
         row["vs_chosen"] = row["median_ms"] / chosen_ms if chosen_ms else float("nan")
         rows.append(row)
@@ -77,7 +74,7 @@ def auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = Fa
 
 def _situation(q, k, v, dtype: torch.dtype, *, timed: bool) -> str:
     """One line: what auto's choice was made for, and how the candidates were timed."""
-    mode = "forward+backward (autograd needs gradients)" if attn._needs_grad(q, k, v) else "forward only"
+    mode = "forward+backward (autograd needs gradients)" if attn.grad_needed(q, k, v) else "forward only"
     how = ("each candidate timed in turns" + (", L2 flushed before each call, every turn started on an idle GPU"
                                                if q.device.type == "cuda" else " (CPU clock)")) if timed else "no timing"
     return f"{q.device.type}, {str(dtype).replace('torch.', '')}, {mode}; {how}"
