@@ -5,10 +5,12 @@ allocator itself; this module holds what the notebook measures and the plumbing 
 student's code, never an answer:
 
 - :func:`tensor_bytes`: the bytes a kernel must read and write, counted from the tensors it is given.
-- :func:`yardsticks`: the library kernels (SDPA's backends, FA4 with its own split heuristic) as calls on
-  one decode problem, each in its own layout: what the notebook's kernels are measured against.
+- :func:`yardsticks`: the library kernels (SDPA's backends, FA4) as calls on one decode problem, each in
+  its own layout: what the notebook's kernels are measured against; :func:`fa4_paged` is FA4 reading a
+  paged cache through its ``page_table``.
 - :func:`sdpa_decode_sweep`: those kernels at query length 1 over context length and batch, as achieved
   GB/s (a tidy DataFrame).
+- :func:`fa4_num_splits`: the ``num_splits`` FA4 takes on this GPU (its split-KV path needs Blackwell).
 - :func:`page_table`: per-sequence page lists as the padded int32 table a paged kernel reads.
 - :func:`write_kv`: new tokens' K/V scattered into the pages at the slots an allocator returned.
 - :func:`generate_paged`: greedy generation with a Hugging Face Llama model whose decode attention is
@@ -21,6 +23,7 @@ Used in: 08_decode_attention.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import pandas as pd
@@ -53,14 +56,46 @@ def _sdpa_runner(backend: str, q, k, v) -> Callable[[], torch.Tensor]:
     return run
 
 
-def _fa4_runner(q, k, v) -> Callable[[], torch.Tensor] | None:
-    """FlashAttention-4 on q [B, 1, H_q, d] and a cache k, v [B, N, H_kv, d], with its own split heuristic
-    (``num_splits=0``), or None where ``flash_attn.cute`` does not import."""
+def fa4_num_splits(device) -> int:
+    """``num_splits`` for FA4 on ``device``: 0 (its own split heuristic) where its split-KV path runs, 1 (no
+    split) on Ampere and Hopper, where flash-attn-4 4.0 refuses splits ("SplitKV not supported on SM 9.0")."""
+    device = torch.device(device)
+    return 0 if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10 else 1
+
+
+def _fa4_function(name: str) -> Callable | None:
+    """``flash_attn.cute``'s function ``name``, or None where it does not import (not installed, no GPU it supports)."""
     try:
-        from flash_attn.cute import flash_attn_func
-    except Exception:  # noqa: BLE001 - not installed, or no GPU it supports
+        import flash_attn.cute as cute
+    except Exception:  # noqa: BLE001 - an installed package's import can fail with anything (CUDA libs, DSL)
         return None
-    return lambda: flash_attn_func(q, k, v, num_splits=0)
+    return getattr(cute, name)
+
+
+def _fa4_runner(q, k, v) -> Callable[[], torch.Tensor] | None:
+    """FlashAttention-4 on q [B, 1, H_q, d] and a cache k, v [B, N, H_kv, d] (:func:`fa4_num_splits`),
+    or None where ``flash_attn.cute`` does not import."""
+    fn = _fa4_function("flash_attn_func")
+    if fn is None:
+        return None
+    splits = fa4_num_splits(q.device)
+    return lambda: fn(q, k, v, num_splits=splits)
+
+
+def fa4_paged(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table: torch.Tensor,
+              seqlens: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """FA4 reading a paged cache: a call without arguments, or None where ``flash_attn.cute`` does not import.
+
+    Args:
+        q: [B, H_q, d]; k_pages, v_pages: [num_pages, page_size, H_kv, d]; table: [B, max pages] int32
+            (row b: sequence b's pages in token order); seqlens: [B] int32, keys per sequence.
+    """
+    fn = _fa4_function("flash_attn_varlen_func")
+    if fn is None:
+        return None
+    q4, table, seqlens = q[:, None], table.to(torch.int32).contiguous(), seqlens.to(torch.int32)
+    splits = fa4_num_splits(q.device)
+    return lambda: fn(q4, k_pages, v_pages, seqused_k=seqlens, page_table=table, num_splits=splits)
 
 
 def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -96,7 +131,9 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
         contexts: context lengths N (keys per sequence).
         batches: batch sizes B.
         h_q, h_kv, d: query heads, key/value heads (GQA when h_kv < h_q), head dim.
-        target_ms: timing budget per call (:func:`labkit.measure.time_interleaved`).
+        target_ms: timing budget per call (:func:`labkit.measure.time_interleaved`, L2 flushed before each
+            call: at N = 8K one layer's K/V in bf16, 33.5 MB, fits in an H100's 50 MB L2, and a loop of one
+            call would read it from there, faster than any decode step of a real model does).
         fa4: also time ``flash_attn.cute.flash_attn_func`` where it imports (:func:`yardsticks`).
 
     Returns:
@@ -112,7 +149,10 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
             k, v = (torch.randn(b, n, h_kv, d, dtype=dtype, device=device) for _ in range(2))
             moved = tensor_bytes(q, k, v, q)                     # o has q's size
             fns = yardsticks(q, k, v, backends)
-            timings, errors = measure.time_interleaved(fns, device=device, target_ms=target_ms, errors=RUN_ERRORS)
+            with warnings.catch_warnings():  # a forced backend that cannot take the input says why, then raises
+                warnings.simplefilter("ignore", UserWarning)
+                timings, errors = measure.time_interleaved(fns, device=device, target_ms=target_ms, flush_l2=True,
+                                                           errors=RUN_ERRORS)
             for name in fns:
                 ok = name in timings
                 ms = timings[name].median_ms if ok else float("nan")

@@ -109,6 +109,24 @@ def test_yardsticks_compute_the_same_attention_on_cpu_and_name_what_they_take():
         decode.yardsticks(q, k, v, ("sdpa_flash", "triton"))
 
 
+@pytest.mark.parametrize("capability, expected", [((8, 0), 1), ((9, 0), 1), ((10, 0), 0), ((12, 0), 0)])
+def test_fa4_splits_only_where_its_split_kv_path_runs(monkeypatch, capability, expected):
+    """flash-attn-4 4.0 asserts "SplitKV not supported on SM 9.0" (and 8.0) for num_splits != 1: there it runs unsplit."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert decode.fa4_num_splits("cuda:0") == expected
+    assert decode.fa4_num_splits("cpu") == 1
+
+
+def test_fa4_paged_is_absent_without_flash_attn_cute():
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001
+        q, pages = torch.randn(1, 4, 16), torch.randn(2, 16, 2, 16)
+        assert decode.fa4_paged(q, pages, pages, decode.page_table([[1, 0]]), torch.tensor([20])) is None
+    else:
+        pytest.skip("flash_attn.cute imports here: the GPU notebook run measures it")
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     transformers = pytest.importorskip("transformers")
