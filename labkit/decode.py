@@ -123,6 +123,12 @@ def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return fns
 
 
+def _status(err: BaseException) -> str:
+    """A failed call's status: "oom" for out of memory (the math backend's [B, H_q, 1, N] scores at long N
+    and large B), else the error's first line."""
+    return "oom" if measure.is_oom(err) else str(err).strip().splitlines()[0][:200]
+
+
 def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv: int, d: int,
                       dtype: torch.dtype, device, target_ms: float = 20.0, fa4: bool = True) -> pd.DataFrame:
     """Time one decode step (query length 1) of each SDPA backend, and FA4, over context and batch.
@@ -138,7 +144,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
 
     Returns:
         One row per (B, N, backend): ``ms`` (median), ``gb_per_s`` = :func:`tensor_bytes` of q, k, v
-        and o over the time, ``status`` ("ok" or the error's first line).
+        and o over the time, ``status`` ("ok", "oom", or the error's first line).
     """
     device = torch.device(device)
     backends = SDPA_DECODE_BACKENDS + (("fa4",) if fa4 else ())
@@ -158,7 +164,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
                 ms = timings[name].median_ms if ok else float("nan")
                 rows.append(dict(backend=name, B=b, N=n, h_q=h_q, h_kv=h_kv, d=d, dtype=str(dtype).split(".")[-1],
                                  bytes=moved, ms=ms, gb_per_s=moved / (ms * 1e-3) / 1e9 if ok else float("nan"),
-                                 status="ok" if ok else str(errors[name]).strip().splitlines()[0][:200],
+                                 status="ok" if ok else _status(errors[name]),
                                  device=device.type))
             del q, k, v, fns
     return pd.DataFrame(rows)

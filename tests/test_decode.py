@@ -185,3 +185,21 @@ def test_paged_reference_equals_sdpa_on_a_contiguous_cache():
     want = F.scaled_dot_product_attention(q[:, :, None], k.double().transpose(1, 2), v.double().transpose(1, 2),
                                           enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)   # float64: rounding only
+
+
+def test_a_sweep_that_runs_out_of_memory_says_oom(monkeypatch):
+    """The math backend's scores at B = 32, N = 64K need 32 GiB on a GPU: the row says "oom", not the allocator's
+    whole message."""
+    real = decode._sdpa_runner
+
+    def runner(backend, q, k, v):
+        if backend != "sdpa_math":
+            return real(backend, q, k, v)
+
+        def run():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB. GPU 0 has ...")
+        return run
+
+    monkeypatch.setattr(decode, "_sdpa_runner", runner)
+    df = decode.sdpa_decode_sweep([16], [1], h_q=2, h_kv=1, d=8, dtype=torch.float32, device="cpu", target_ms=1)
+    assert df.set_index("backend").loc["sdpa_math", "status"] == "oom"
