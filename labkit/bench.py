@@ -72,8 +72,8 @@ def _attention_call(backend: str, cfg: dict, *, causal: bool, mode: str, dtype, 
     return call, q, k, v, layout
 
 
-def _failure(err: BaseException) -> str:
-    """The status column for a row that raised ``err``."""
+def failure_status(err: BaseException) -> str:
+    """The status column for a row that raised ``err``: "unsupported: ...", "not implemented", "oom" or "error: ..."."""
     if isinstance(err, (attn.AttentionInputError, ImportError)):  # ImportError: flash package missing
         return f"unsupported: {err}"
     if isinstance(err, NotImplementedError):
@@ -102,11 +102,11 @@ def _measure_group(rows: dict[str, dict], cfg: dict, *, causal: bool, mode: str,
                 row["extra_mib"] = peak_memory(call, device=device) / 2**20
                 calls[name], row["status"] = call, "ok"
             except _ROW_ERRORS as err:
-                row["status"] = _failure(err)
+                row["status"] = failure_status(err)
         timings, failures = time_interleaved(calls, device=device, target_ms=target_ms, min_reps=MIN_REPS,
                                              errors=_ROW_ERRORS)
     for name, err in failures.items():
-        rows[name]["status"] = _failure(err)
+        rows[name]["status"] = failure_status(err)
     flop = attn.flops(cfg["B"], cfg["H"], cfg["N"], cfg["D"], causal=causal, mode=mode)
     for name, t in timings.items():
         rows[name].update(ms=t.median_ms, ms_p20=t.p20_ms, ms_p80=t.p80_ms, tflops=tflops(flop, t.median_ms))

@@ -23,6 +23,7 @@ Used in: 08_decode_attention.
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Callable
 
@@ -30,8 +31,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from . import measure
-from .kernels import RUN_ERRORS  # what a kernel that cannot take an input raises (SDPA, FA4)
+from . import bench, measure
+from .kernels import RUN_ERRORS, flash_function  # RUN_ERRORS: what a kernel that cannot take an input raises
 
 SDPA_DECODE_BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
 YARDSTICKS = SDPA_DECODE_BACKENDS + ("fa4",)
@@ -64,12 +65,12 @@ def fa4_num_splits(device) -> int:
 
 
 def _fa4_function(name: str) -> Callable | None:
-    """``flash_attn.cute``'s function ``name``, or None where it does not import (not installed, no GPU it supports)."""
+    """``flash_attn.cute``'s function ``name``, or None where FA4 does not import (:func:`labkit.kernels.flash_function`)."""
     try:
-        import flash_attn.cute as cute
-    except Exception:  # noqa: BLE001 - an installed package's import can fail with anything (CUDA libs, DSL)
+        flash_function("fa4")
+    except ImportError:
         return None
-    return getattr(cute, name)
+    return getattr(importlib.import_module("flash_attn.cute"), name)
 
 
 def _fa4_runner(q, k, v) -> Callable[[], torch.Tensor] | None:
@@ -123,12 +124,6 @@ def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return fns
 
 
-def _status(err: BaseException) -> str:
-    """A failed call's status: "oom" for out of memory (the math backend's [B, H_q, 1, N] scores at long N
-    and large B), else the error's first line."""
-    return "oom" if measure.is_oom(err) else str(err).strip().splitlines()[0][:200]
-
-
 def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv: int, d: int,
                       dtype: torch.dtype, device, target_ms: float = 20.0, fa4: bool = True) -> pd.DataFrame:
     """Time one decode step (query length 1) of each SDPA backend, and FA4, over context and batch.
@@ -144,7 +139,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
 
     Returns:
         One row per (B, N, backend): ``ms`` (median), ``gb_per_s`` = :func:`tensor_bytes` of q, k, v
-        and o over the time, ``status`` ("ok", "oom", or the error's first line).
+        and o over the time, ``status`` ("ok", else :func:`labkit.bench.failure_status`: "oom", "error: ...", ...).
     """
     device = torch.device(device)
     backends = SDPA_DECODE_BACKENDS + (("fa4",) if fa4 else ())
@@ -164,7 +159,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
                 ms = timings[name].median_ms if ok else float("nan")
                 rows.append(dict(backend=name, B=b, N=n, h_q=h_q, h_kv=h_kv, d=d, dtype=str(dtype).split(".")[-1],
                                  bytes=moved, ms=ms, gb_per_s=moved / (ms * 1e-3) / 1e9 if ok else float("nan"),
-                                 status="ok" if ok else _status(errors[name]),
+                                 status="ok" if ok else bench.failure_status(errors[name]),
                                  device=device.type))
             del q, k, v, fns
     return pd.DataFrame(rows)
