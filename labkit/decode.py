@@ -200,14 +200,59 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, slots: torch.Tensor, 
     v_pages.view(-1, *v_pages.shape[2:])[flat] = v.to(v_pages.dtype)
 
 
+def _forward(model, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, k_pages: list[torch.Tensor],
+             v_pages: list[torch.Tensor], attention: Callable) -> torch.Tensor:
+    """Every layer of a Llama-style model on ids [B, n] at positions pos [B, n]; returns the greedy next ids [B, 1].
+
+    Each layer's new K/V go into its pages at slots [B * n] (row-major over B, n) before its attention,
+    ``attention(layer, q [B, H_q, n, d], k, v [B, H_kv, n, d]) -> o [B, n, H_q, d]``.
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    inner, (b, n) = model.model, ids.shape
+    d = inner.layers[0].self_attn.head_dim
+    h = inner.embed_tokens(ids)                                       # [B, n, hidden]
+    cos, sin = inner.rotary_emb(h, pos)
+    for i, layer in enumerate(inner.layers):
+        attn, x = layer.self_attn, layer.input_layernorm(h)
+        q, k, v = (proj(x).view(b, n, -1, d).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)                   # [B, H, n, d]
+        write_kv(k_pages[i], v_pages[i], slots, k.transpose(1, 2).reshape(b * n, -1, d),
+                 v.transpose(1, 2).reshape(b * n, -1, d))
+        h = h + attn.o_proj(attention(i, q, k, v).reshape(b, n, -1).to(h.dtype))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.lm_head(inner.norm(h[:, -1])).argmax(-1, keepdim=True)
+
+
+def _capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``fn`` run once on a side stream (Triton compiles, the caching allocator warms up), then captured in a
+    CUDA graph: (the graph, the output tensor each replay overwrites). ``fn`` must read its inputs from
+    tensors that stay in place and must not synchronise with the host."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @torch.no_grad()
 def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, attend: Callable,
-                   k_pages: list[torch.Tensor], v_pages: list[torch.Tensor]) -> torch.Tensor:
+                   k_pages: list[torch.Tensor], v_pages: list[torch.Tensor],
+                   cuda_graph: bool | None = None) -> torch.Tensor:
     """Greedy generation with a Llama-style Hugging Face model, its KV cache in pages.
 
     The prompt is prefilled with causal SDPA (prefill is not the lesson); every decode step writes
     each layer's new K/V into the pages at the slots ``allocator.append(seq, 1)`` returns and calls
     ``attend`` for the attention. The sequences are freed at the end, even after an error.
+
+    A decode step launches some 15 kernels per layer, each costing microseconds of Python and driver
+    time for microseconds of GPU work at batch 1. With ``cuda_graph`` the first decode step is captured
+    in a CUDA graph and every later step replays it: its inputs (token ids, positions, slots, page
+    table, lengths) are copied into the same tensors each step, so the host only runs the allocator.
 
     Args:
         model: a ``LlamaForCausalLM`` (or one with the same module names), in eval mode.
@@ -216,45 +261,58 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
         allocator: the student's page allocator: ``append(seq, n) -> slots [n]``, ``pages(seq)``,
             ``length(seq)``, ``free(seq)``; sequences are named 0..B-1.
         attend: ``attend(q [B, H_q, d], k_pages, v_pages, block_table [B, P] int32, seqlens [B] int32,
-            max_len)`` -> o [B, H_q, d]; ``max_len`` is the longest sequence as a Python int (known on the
-            host here, so the kernel's wrapper need not read ``seqlens.max()``, a GPU -> CPU sync per layer).
+            max_len)`` -> o [B, H_q, d]. ``max_len`` is T + new_tokens, a Python int bounding every
+            sequence's length for the whole generation: the kernel's wrapper need not read
+            ``seqlens.max()`` (a GPU -> CPU sync per layer), and its launch is the same every step (a
+            graph replays fixed launches; only the tensors' contents change). ``block_table`` has
+            ceil(max_len / page_size) columns.
         k_pages, v_pages: per layer, [num_pages, page_size, H_kv, d].
+        cuda_graph: replay the decode step from a CUDA graph (default: where the model is on a GPU).
 
     Returns:
         [B, T + new_tokens] token ids, as ``model.generate(prompt, do_sample=False)`` would give.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    if new_tokens < 0:
+        raise ValueError(f"new_tokens = {new_tokens}; it must be >= 0")
+    if new_tokens == 0:
+        return prompt
+    b, t = prompt.shape
+    device, capacity = prompt.device, t + new_tokens
+    width = -(-capacity // k_pages[0].shape[1])
+    use_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+    if use_graph and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, not {device}")
 
-    inner, (b, t) = model.model, prompt.shape
-    layers = inner.layers
-    d = layers[0].self_attn.head_dim
-    ids, out = prompt, [prompt]
+    def prefill(i, q, k, v):                                          # causal over the prompt
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+
+    step_in = dict(ids=torch.zeros(b, 1, dtype=torch.long, device=device), slots=torch.zeros(b, dtype=torch.long, device=device),
+                   table=torch.zeros(b, width, dtype=torch.int32, device=device),
+                   lens=torch.zeros(b, dtype=torch.int32, device=device))
+
+    def decode_step():                                                # reads only step_in: replayable
+        def paged(i, q, k, v):
+            return attend(q[:, :, 0].contiguous(), k_pages[i], v_pages[i], step_in["table"], step_in["lens"], capacity)[:, None]
+        pos = (step_in["lens"] - 1).long()[:, None]                   # [B, 1]: the new token's position
+        return _forward(model, step_in["ids"], pos, step_in["slots"], k_pages, v_pages, paged)
+
+    graph, out = None, [prompt]
     try:
-        for step in range(new_tokens):
-            n = ids.shape[1]                                          # tokens fed this step: T, then 1
-            slots = torch.stack([allocator.append(s, n) for s in range(b)])   # [B, n]
-            start = allocator.length(0) - n
-            pos = torch.arange(start, start + n, device=ids.device)[None].expand(b, n)
-            h = inner.embed_tokens(ids)                               # [B, n, hidden]
-            cos, sin = inner.rotary_emb(h, pos)
-            table = page_table([allocator.pages(s) for s in range(b)], device=ids.device)
-            lengths = [allocator.length(s) for s in range(b)]
-            lens = torch.tensor(lengths, dtype=torch.int32, device=ids.device)
-            for i, layer in enumerate(layers):
-                attn, x = layer.self_attn, layer.input_layernorm(h)
-                q, k, v = (proj(x).view(b, n, -1, d).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-                q, k = apply_rotary_pos_emb(q, k, cos, sin)           # [B, H, n, d]
-                write_kv(k_pages[i], v_pages[i], slots.reshape(-1), k.transpose(1, 2).reshape(b * n, -1, d),
-                         v.transpose(1, 2).reshape(b * n, -1, d))
-                if step == 0:                                         # prefill: causal over the prompt
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-                else:                                                 # decode: the student's kernel
-                    o = attend(q[:, :, 0].contiguous(), k_pages[i], v_pages[i], table, lens, max(lengths))[:, None]
-                h = h + attn.o_proj(o.reshape(b, n, -1).to(h.dtype))
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-            logits = model.lm_head(inner.norm(h[:, -1]))              # [B, vocab]
-            ids = logits.argmax(-1, keepdim=True)                     # greedy
-            out.append(ids)
+        slots = torch.stack([allocator.append(s, t) for s in range(b)]).reshape(-1).to(device)
+        pos = torch.arange(t, device=device)[None].expand(b, t)
+        out.append(_forward(model, prompt, pos, slots, k_pages, v_pages, prefill))
+        for _ in range(new_tokens - 1):
+            step_in["slots"].copy_(torch.cat([allocator.append(s, 1) for s in range(b)]))
+            step_in["table"].copy_(page_table([allocator.pages(s) for s in range(b)], width=width))
+            step_in["lens"].copy_(torch.tensor([allocator.length(s) for s in range(b)], dtype=torch.int32))
+            step_in["ids"].copy_(out[-1])
+            if not use_graph:
+                out.append(decode_step())
+                continue
+            if graph is None:
+                graph, next_ids = _capture(decode_step)
+            graph.replay()
+            out.append(next_ids.clone())
     finally:
         for s in range(b):
             try:

@@ -151,7 +151,8 @@ def test_generate_paged_matches_transformers_generate(tiny_llama, page_size, ord
     calls = []
 
     def attend(q, k_pages, v_pages, table, lens, max_len):
-        assert max_len == int(lens.max()) and type(max_len) is int   # known on the host: no sync needed
+        assert max_len == 5 + 4 and type(max_len) is int              # prompt + new tokens, known on the host
+        assert table.shape == (2, -(-max_len // page_size))           # one width for the whole generation
         calls.append((tuple(q.shape), lens.tolist()))
         return paged_reference(q, k_pages, v_pages, table, lens)
 
@@ -174,6 +175,53 @@ def test_generate_paged_frees_pages_when_attention_fails(tiny_llama):
     with pytest.raises(RuntimeError, match="kernel failed"):
         decode.generate_paged(tiny_llama, prompt, 3, allocator=alloc, attend=broken, k_pages=k_pools, v_pages=v_pools)
     assert alloc.table == {} and sorted(alloc.free_pages) == list(range(8))
+
+
+def test_generate_paged_checks_its_arguments(tiny_llama):
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    alloc = ListAllocator(4, 4)
+    k_pools, v_pools = _pools(tiny_llama, 4, 4)
+    kwargs = dict(allocator=alloc, attend=None, k_pages=k_pools, v_pages=v_pools)
+    assert torch.equal(decode.generate_paged(tiny_llama, prompt, 0, **kwargs), prompt) and alloc.table == {}
+    with pytest.raises(ValueError, match="new_tokens = -1"):
+        decode.generate_paged(tiny_llama, prompt, -1, **kwargs)
+    with pytest.raises(ValueError, match="CUDA device, not cpu"):
+        decode.generate_paged(tiny_llama, prompt, 2, cuda_graph=True, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_generate_paged_replays_the_same_tokens_from_a_cuda_graph(tiny_llama):
+    model = tiny_llama.cuda()
+    prompt = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(2)).cuda()
+    runs = {}
+    for graph in (False, True):
+        k_pools, v_pools = ([p.cuda() for p in pools] for pools in _pools(model, 24, 4))
+        attend = lambda q, kp, vp, table, lens, max_len: paged_cuda(q, kp, vp, table, lens)   # noqa: E731
+        runs[graph] = decode.generate_paged(model, prompt, 9, allocator=ListAllocator(24, 4), attend=attend,
+                                            k_pages=k_pools, v_pages=v_pools, cuda_graph=graph)
+    theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=9, do_sample=False)
+    assert torch.equal(runs[False], theirs) and torch.equal(runs[True], theirs)
+    model.cpu()
+
+
+def paged_cuda(q, k_pages, v_pages, table, lens):
+    """Paged attention with no host sync (graph-capturable): every page of the table gathered, keys past a
+    sequence's length masked. q [B, H_q, d] -> o [B, H_q, d]."""
+    b, hq, d = q.shape
+    hkv, page = k_pages.shape[2], k_pages.shape[1]
+    k, v = (pages[table.long()].reshape(b, -1, hkv, d).repeat_interleave(hq // hkv, dim=2) for pages in (k_pages, v_pages))
+    keep = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]          # [B, N]
+    s = torch.einsum("bhd,bnhd->bhn", q, k) / math.sqrt(d)
+    p = torch.softmax(s.masked_fill(~keep[:, None], float("-inf")), dim=-1)
+    return torch.einsum("bhn,bnhd->bhd", p, v)
+
+
+def test_the_graph_capturable_paged_attention_equals_the_reference():
+    torch.manual_seed(1)
+    q, k_pages, v_pages = torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(5, 4, 2, 8), torch.randn(5, 4, 2, 8)
+    table, lens = decode.page_table([[3, 0, 4], [1]], width=3), torch.tensor([10, 2])
+    torch.testing.assert_close(paged_cuda(q, k_pages.double(), v_pages.double(), table, lens),
+                               paged_reference(q, k_pages, v_pages, table, lens), rtol=0, atol=1e-12)
 
 
 def test_paged_reference_equals_sdpa_on_a_contiguous_cache():
