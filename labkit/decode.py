@@ -106,7 +106,8 @@ def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Args:
         q: [B, H_q, d], one query token per sequence.
         k, v: [B, N, H_kv, d], a contiguous cache (bnhd, the layout of the notebook's kernels and of FA4).
-        backends: names from :data:`YARDSTICKS`; "fa4" is left out where ``flash_attn.cute`` does not import.
+        backends: names from :data:`YARDSTICKS`; "fa4" is left out off a GPU and where ``flash_attn.cute``
+            does not import.
 
     Returns:
         name -> a call without arguments. SDPA gets its own [B, H, N, d] copies of K/V (made here, once,
@@ -119,7 +120,7 @@ def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if sdpa:
         qs, ks, vs = q[:, :, None], k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
     fns = {name: _sdpa_runner(name, qs, ks, vs) for name in sdpa}
-    if "fa4" in backends and (runner := _fa4_runner(q[:, None], k, v)) is not None:
+    if "fa4" in backends and q.is_cuda and (runner := _fa4_runner(q[:, None], k, v)) is not None:
         fns["fa4"] = runner
     return fns
 
