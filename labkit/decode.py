@@ -252,8 +252,9 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
 
     A decode step launches some 15 kernels per layer, each costing microseconds of Python and driver
     time for microseconds of GPU work at batch 1. With ``cuda_graph`` the first decode step is captured
-    in a CUDA graph and every later step replays it: its inputs (token ids, positions, slots, page
-    table, lengths) are copied into the same tensors each step, so the host only runs the allocator.
+    in a CUDA graph and every later step replays it: its inputs (token ids, slots, page table,
+    lengths; positions follow from the lengths) are copied into the same tensors each step, one
+    host -> GPU copy, so the host only runs the allocator.
 
     Args:
         model: a ``LlamaForCausalLM`` (or one with the same module names), in eval mode.
@@ -287,15 +288,15 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
     def prefill(i, q, k, v):                                          # causal over the prompt
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
 
-    step_in = dict(ids=torch.zeros(b, 1, dtype=torch.long, device=device), slots=torch.zeros(b, dtype=torch.long, device=device),
-                   table=torch.zeros(b, width, dtype=torch.int32, device=device),
-                   lens=torch.zeros(b, dtype=torch.int32, device=device))
+    ids = torch.zeros(b, 1, dtype=torch.long, device=device)         # the step's inputs, in tensors that stay put:
+    packed = torch.zeros(b * (2 + width), dtype=torch.long, device=device)   # slots [B], lens [B], table [B, width]
 
-    def decode_step():                                                # reads only step_in: replayable
+    def decode_step():                                                # reads only ids and packed: replayable
+        slots, lens, table = packed[:b], packed[b:2 * b].int(), packed[2 * b:].view(b, width).int()
+
         def paged(i, q, k, v):
-            return attend(q[:, :, 0].contiguous(), k_pages[i], v_pages[i], step_in["table"], step_in["lens"], capacity)[:, None]
-        pos = (step_in["lens"] - 1).long()[:, None]                   # [B, 1]: the new token's position
-        return _forward(model, step_in["ids"], pos, step_in["slots"], k_pages, v_pages, paged)
+            return attend(q[:, :, 0].contiguous(), k_pages[i], v_pages[i], table, lens, capacity)[:, None]
+        return _forward(model, ids, (lens - 1).long()[:, None], slots, k_pages, v_pages, paged)
 
     graph, out = None, [prompt]
     try:
@@ -303,10 +304,11 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
         pos = torch.arange(t, device=device)[None].expand(b, t)
         out.append(_forward(model, prompt, pos, slots, k_pages, v_pages, prefill))
         for _ in range(new_tokens - 1):
-            step_in["slots"].copy_(torch.cat([allocator.append(s, 1) for s in range(b)]))
-            step_in["table"].copy_(page_table([allocator.pages(s) for s in range(b)], width=width))
-            step_in["lens"].copy_(torch.tensor([allocator.length(s) for s in range(b)], dtype=torch.int32))
-            step_in["ids"].copy_(out[-1])
+            slots = torch.cat([allocator.append(s, 1) for s in range(b)])
+            lens = torch.tensor([allocator.length(s) for s in range(b)])
+            table = page_table([allocator.pages(s) for s in range(b)], width=width)
+            packed.copy_(torch.cat([slots, lens, table.view(-1).long()]))   # one host -> GPU copy per step
+            ids.copy_(out[-1])
             if not use_graph:
                 out.append(decode_step())
                 continue
