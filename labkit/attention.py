@@ -226,8 +226,9 @@ def auto_choice(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> str:
     gradients) on detached views of the inputs, taking turns in short blocks
     (:func:`labkit.measure.time_interleaved`) so a GPU clock that drifts favours no one, with L2
     flushed before each call (in a training step the inputs come cold from other layers) and each
-    turn started on an idle GPU, so a kernel whose Python launches outlast its kernels (FA4's
-    forward+backward at N = 1024 on an H100) is timed by its launches, as its caller pays them; the lowest
+    turn started on an idle GPU and each call timed as the longer of its GPU and its host time, so a
+    kernel whose Python launches outlast its kernels (FA4's forward+backward at N = 1024 on an H100,
+    its forward at GPT-2 small's inference shapes) is timed by its launches, as its caller pays them; the lowest
     median wins and is cached per (device, dtype, shapes, causal, layout, grad). A candidate that
     fails (e.g. a kernel that does not compile for this shape) drops out.
 

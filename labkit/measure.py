@@ -82,8 +82,8 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     ``BLOCK_MS`` long and at least ``MIN_BLOCK`` calls. Every turn starts on an idle GPU (a
     synchronize), then an untimed lead-in call: a function that launches faster than its kernels
     run queues ahead and is timed by its kernels; one whose host side is slower than its kernels
-    is timed by its launches, as in a loop of that call alone (what ``do_bench`` reports and a
-    caller pays). Without the synchronize the backlog of a slower function timed just before
+    is timed by its launches, as in a loop of that call alone (what a caller pays; each call's time
+    is the longer of its event time and its host time, so a flush queued before it hides nothing). Without the synchronize the backlog of a slower function timed just before
     hides that launch cost: on an H100, FA4's forward+backward at B=16 H=16 N=1024 D=128, causal
     (0.71 ms of kernels, about 1 ms of Python launches) timed 0.71 ms here but 1.0 ms in a loop
     of its own, and ``auto`` picked it over cuDNN's 0.75 ms.
@@ -166,7 +166,14 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
 
 
 def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Tensor | None) -> Callable[[], float]:
-    """Call ``fn`` once; returns a reader of its milliseconds (valid after a synchronize on a GPU)."""
+    """Call ``fn`` once; returns a reader of its milliseconds (valid after a synchronize on a GPU).
+
+    On a GPU a call takes the longer of its CUDA-event time and its host time (``fn``'s Python and
+    launches): the flush queued just before it keeps the GPU busy while the host launches, so the
+    events alone would let a launch up to the flush's length go free, though a caller whose GPU is
+    waiting pays it. On an H200, FA4's forward at GPT-2 small's inference shape (B=4, H=12,
+    N=512-1024, D=64) won auto's timing that way and made the model 1.2-1.3x slower than with SDPA.
+    """
     if device.type != "cuda":
         t0 = time.perf_counter()
         fn()
@@ -176,9 +183,11 @@ def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Ten
         flush.zero_()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
     end.record()
-    return lambda: start.elapsed_time(end)
+    return lambda: max(start.elapsed_time(end), host_ms)
 
 
 def _timing(ms: list[float]) -> Timing:

@@ -128,6 +128,32 @@ def test_lead_ins_keep_a_slow_launch_of_the_previous_function_out_of_the_timings
         assert t.p20_ms == pytest.approx(1.0) and t.p80_ms == pytest.approx(1.0), f"the 1 ms call timed as {t}"
 
 
+class FakeEvent:
+    """A CUDA event whose elapsed time is what the test says the GPU took."""
+    gpu_ms = 0.0
+
+    def __init__(self, enable_timing=True):
+        pass
+
+    def record(self):
+        pass
+
+    def elapsed_time(self, end):
+        return FakeEvent.gpu_ms
+
+
+@pytest.mark.parametrize("host_ms,gpu_ms,expected", [(3.0, 1.0, 3.0), (0.5, 2.0, 2.0)])
+def test_a_gpu_call_takes_the_longer_of_its_launch_and_its_kernels(monkeypatch, host_ms, gpu_ms, expected):
+    """The flush queued before a call keeps the GPU busy while the host launches: the events alone would
+    let a slow launch go free (FA4 beat SDPA in auto's timing, then made GPT-2's forward 1.3x slower)."""
+    clock = VirtualClock()
+    monkeypatch.setattr(M, "time", clock)
+    monkeypatch.setattr(M.torch.cuda, "Event", FakeEvent)
+    FakeEvent.gpu_ms = gpu_ms
+    read = M._timed_call(lambda: clock.work(host_ms), torch.device("cuda"), flush=None)
+    assert read() == pytest.approx(expected)
+
+
 def test_taking_turns_cancels_a_drifting_clock(monkeypatch):
     clock, calls = VirtualClock(), [0]
     monkeypatch.setattr(M, "time", clock)
