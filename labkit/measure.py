@@ -83,7 +83,8 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     synchronize), then an untimed lead-in call: a function that launches faster than its kernels
     run queues ahead and is timed by its kernels; one whose host side is slower than its kernels
     is timed by its launches, as in a loop of that call alone (what a caller pays; each call's time
-    is the longer of its event time and its host time, so a flush queued before it hides nothing). Without the synchronize the backlog of a slower function timed just before
+    is the longer of its event time and its host time, so a flush queued before it hides nothing).
+    Without the synchronize the backlog of a slower function timed just before
     hides that launch cost: on an H100, FA4's forward+backward at B=16 H=16 N=1024 D=128, causal
     (0.71 ms of kernels, about 1 ms of Python launches) timed 0.71 ms here but 1.0 ms in a loop
     of its own, and ``auto`` picked it over cuDNN's 0.75 ms.
