@@ -250,7 +250,7 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
     each layer's new K/V into the pages at the slots ``allocator.append(seq, 1)`` returns and calls
     ``attend`` for the attention. The sequences are freed at the end, even after an error.
 
-    A decode step launches some 15 kernels per layer, each costing microseconds of Python and driver
+    A decode step launches some 40 kernels per layer, each costing microseconds of Python and driver
     time for microseconds of GPU work at batch 1. With ``cuda_graph`` the first decode step is captured
     in a CUDA graph and every later step replays it: its inputs (token ids, slots, page table,
     lengths; positions follow from the lengths) are copied into the same tensors each step, one
