@@ -39,18 +39,17 @@ class ListAllocator:
 
 
 def paged_reference(q, k_pages, v_pages, table, lens):
-    """Attention through the page table, gathered to a contiguous cache and computed in float64 with K/V repeated."""
+    """Attention through the page table in float64, K/V repeated per group: every page of the table gathered,
+    keys past a sequence's length masked. No host sync, so a CUDA graph can capture it.
+    q [B, H_q, d]; pages [num_pages, page_size, H_kv, d]; table [B, P]; lens [B] -> o [B, H_q, d] in q's dtype."""
     b, hq, d = q.shape
-    hkv, page = k_pages.shape[2], k_pages.shape[1]
-    out = torch.zeros(b, hq, d, dtype=torch.float64)
-    for i in range(b):
-        n = int(lens[i])
-        rows = (table[i].long()[:, None] * page + torch.arange(page)).reshape(-1)[:n]
-        k = k_pages.reshape(-1, hkv, d)[rows].double().repeat_interleave(hq // hkv, dim=1)   # [n, H_q, d]
-        v = v_pages.reshape(-1, hkv, d)[rows].double().repeat_interleave(hq // hkv, dim=1)
-        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) / math.sqrt(d), dim=-1)
-        out[i] = torch.einsum("hn,nhd->hd", p, v)
-    return out.to(q.dtype)
+    hkv = k_pages.shape[2]
+    k, v = (pages.double()[table.long()].reshape(b, -1, hkv, d).repeat_interleave(hq // hkv, dim=2)
+            for pages in (k_pages, v_pages))                                             # [B, P * page, H_q, d]
+    keep = torch.arange(k.shape[1], device=q.device)[None, :] < lens.to(q.device)[:, None]   # [B, N]
+    s = torch.einsum("bhd,bnhd->bhn", q.double(), k) / math.sqrt(d)
+    p = torch.softmax(s.masked_fill(~keep[:, None], float("-inf")), dim=-1)
+    return torch.einsum("bhn,bnhd->bhd", p, v).to(q.dtype)
 
 
 def test_tensor_bytes_counts_elements_times_size():
@@ -196,32 +195,12 @@ def test_generate_paged_replays_the_same_tokens_from_a_cuda_graph(tiny_llama):
     runs = {}
     for graph in (False, True):
         k_pools, v_pools = ([p.cuda() for p in pools] for pools in _pools(model, 24, 4))
-        attend = lambda q, kp, vp, table, lens, max_len: paged_cuda(q, kp, vp, table, lens)   # noqa: E731
+        attend = lambda q, kp, vp, table, lens, max_len: paged_reference(q, kp, vp, table, lens)   # noqa: E731
         runs[graph] = decode.generate_paged(model, prompt, 9, allocator=ListAllocator(24, 4), attend=attend,
                                             k_pages=k_pools, v_pages=v_pools, cuda_graph=graph)
     theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=9, do_sample=False)
     assert torch.equal(runs[False], theirs) and torch.equal(runs[True], theirs)
     model.cpu()
-
-
-def paged_cuda(q, k_pages, v_pages, table, lens):
-    """Paged attention with no host sync (graph-capturable): every page of the table gathered, keys past a
-    sequence's length masked. q [B, H_q, d] -> o [B, H_q, d]."""
-    b, hq, d = q.shape
-    hkv, page = k_pages.shape[2], k_pages.shape[1]
-    k, v = (pages[table.long()].reshape(b, -1, hkv, d).repeat_interleave(hq // hkv, dim=2) for pages in (k_pages, v_pages))
-    keep = torch.arange(k.shape[1], device=q.device)[None, :] < lens[:, None]          # [B, N]
-    s = torch.einsum("bhd,bnhd->bhn", q, k) / math.sqrt(d)
-    p = torch.softmax(s.masked_fill(~keep[:, None], float("-inf")), dim=-1)
-    return torch.einsum("bhn,bnhd->bhd", p, v)
-
-
-def test_the_graph_capturable_paged_attention_equals_the_reference():
-    torch.manual_seed(1)
-    q, k_pages, v_pages = torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(5, 4, 2, 8), torch.randn(5, 4, 2, 8)
-    table, lens = decode.page_table([[3, 0, 4], [1]], width=3), torch.tensor([10, 2])
-    torch.testing.assert_close(paged_cuda(q, k_pages.double(), v_pages.double(), table, lens),
-                               paged_reference(q, k_pages, v_pages, table, lens), rtol=0, atol=1e-12)
 
 
 def test_paged_reference_equals_sdpa_on_a_contiguous_cache():
@@ -233,6 +212,20 @@ def test_paged_reference_equals_sdpa_on_a_contiguous_cache():
     want = F.scaled_dot_product_attention(q[:, :, None], k.double().transpose(1, 2), v.double().transpose(1, 2),
                                           enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)   # float64: rounding only
+
+
+def test_paged_reference_reads_shuffled_pages_up_to_each_length():
+    """Sequence 0 holds pages 3, 0, 4 (10 tokens), sequence 1 page 1 (2 tokens, then padding); page 2, in
+    neither table row, holds NaN that must not reach the output; keys past each length are masked."""
+    torch.manual_seed(1)
+    q, k_pages, v_pages = torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(5, 4, 2, 8), torch.randn(5, 4, 2, 8)
+    k_pages[2], v_pages[2] = float("nan"), float("nan")
+    table, lens = decode.page_table([[3, 0, 4], [1]], width=3), torch.tensor([10, 2])
+    got = paged_reference(q, k_pages, v_pages, table, lens)
+    for i, pages in enumerate(([3, 0, 4], [1])):
+        k, v = (p[pages].reshape(-1, 2, 8)[:int(lens[i])].double().transpose(0, 1)[None] for p in (k_pages, v_pages))
+        want = F.scaled_dot_product_attention(q[i, None, :, None], k, v, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-12)
 
 
 def test_a_sweep_that_runs_out_of_memory_says_oom(monkeypatch):
