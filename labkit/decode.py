@@ -10,6 +10,9 @@ student's code, never an answer:
   paged cache through its ``page_table``.
 - :func:`sdpa_decode_sweep`: those kernels at query length 1 over context length and batch, as achieved
   GB/s (a tidy DataFrame).
+- :func:`graphed`: calls captured in CUDA graphs and replayed, as a serving engine runs a decode step: what
+  the notebook times on a GPU, so that the host's launch path (Python wrappers, Triton's and SDPA's
+  dispatch: microseconds per kernel) is not what a kernel of microseconds is compared by.
 - :func:`fa4_num_splits`: the ``num_splits`` FA4 takes on this GPU (its split-KV path needs Blackwell).
 - :func:`page_table`: per-sequence page lists as the padded int32 table a paged kernel reads.
 - :func:`write_kv`: new tokens' K/V scattered into the pages at the slots an allocator returned.
@@ -23,6 +26,7 @@ Used in: 08_decode_attention.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 from typing import Callable
@@ -126,7 +130,8 @@ def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv: int, d: int,
-                      dtype: torch.dtype, device, target_ms: float = 20.0, fa4: bool = True) -> pd.DataFrame:
+                      dtype: torch.dtype, device, target_ms: float = 20.0, fa4: bool = True,
+                      cuda_graph: bool | None = None) -> pd.DataFrame:
     """Time one decode step (query length 1) of each SDPA backend, and FA4, over context and batch.
 
     Args:
@@ -137,12 +142,15 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
             call: at N = 8K one layer's K/V in bf16, 33.5 MB, fits in an H100's 50 MB L2, and a loop of one
             call would read it from there, faster than any decode step of a real model does).
         fa4: also time ``flash_attn.cute.flash_attn_func`` where it imports (:func:`yardsticks`).
+        cuda_graph: time replays of each call captured in a CUDA graph (:func:`graphed`; default: on a GPU).
 
     Returns:
         One row per (B, N, backend): ``ms`` (median), ``gb_per_s`` = :func:`tensor_bytes` of q, k, v
-        and o over the time, ``status`` ("ok", else :func:`labkit.bench.failure_status`: "oom", "error: ...", ...).
+        and o over the time, ``status`` ("ok", else :func:`labkit.bench.failure_status`: "oom", "error: ...", ...),
+        ``timed`` ("cuda graph" or "eager").
     """
     device = torch.device(device)
+    use_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
     backends = SDPA_DECODE_BACKENDS + (("fa4",) if fa4 else ())
     rows = []
     for b in batches:
@@ -153,16 +161,18 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
             fns = yardsticks(q, k, v, backends)
             with warnings.catch_warnings():  # a forced backend that cannot take the input says why, then raises
                 warnings.simplefilter("ignore", UserWarning)
-                timings, errors = measure.time_interleaved(fns, device=device, target_ms=target_ms, flush_l2=True,
+                calls, errors = graphed(fns, device) if use_graph else (fns, {})
+                timings, failed = measure.time_interleaved(calls, device=device, target_ms=target_ms, flush_l2=True,
                                                            errors=RUN_ERRORS)
+            errors.update(failed)
             for name in fns:
                 ok = name in timings
                 ms = timings[name].median_ms if ok else float("nan")
                 rows.append(dict(backend=name, B=b, N=n, h_q=h_q, h_kv=h_kv, d=d, dtype=str(dtype).split(".")[-1],
                                  bytes=moved, ms=ms, gb_per_s=moved / (ms * 1e-3) / 1e9 if ok else float("nan"),
                                  status="ok" if ok else bench.failure_status(errors[name]),
-                                 device=device.type))
-            del q, k, v, fns
+                                 timed="cuda graph" if use_graph else "eager", device=device.type))
+            del q, k, v, fns, calls
     return pd.DataFrame(rows)
 
 
@@ -238,6 +248,43 @@ def _capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torc
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def graphed(fns: dict[str, Callable[[], object]], device) -> tuple[dict[str, Callable[[], object]],
+                                                                 dict[str, BaseException]]:
+    """Each call captured in a CUDA graph of its own, to be timed as a serving engine runs a decode step.
+
+    A replay launches the captured kernels with one driver call, so its host time is microseconds whatever
+    the Python and dispatch code around the kernels cost: what is compared is the GPU's time (and the gaps
+    between a call's kernels), not whose launch path is lighter.
+
+    Args:
+        fns: name -> a call without arguments that reads tensors that stay in place and never synchronises
+            with the host (e.g. no ``int(seqlens.max())``), as the calls of :func:`yardsticks` and the
+            notebook's kernels given ``max_len``.
+        device: a CUDA device; CUDA graphs exist only there.
+
+    Returns:
+        (name -> a call that replays the graph and returns the captured output, which every replay
+        overwrites; name -> the error of a call that could not be captured, e.g. one that synchronises).
+    """
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, not {device}: time the calls as they are there")
+    replays, errors = {}, {}
+    for name, fn in fns.items():
+        try:
+            graph, out = _capture(fn)
+        except RUN_ERRORS as err:
+            errors[name] = err
+            continue
+        replays[name] = functools.partial(_replay, graph, out)
+    return replays, errors
+
+
+def _replay(graph: torch.cuda.CUDAGraph, out):
+    """Replay ``graph``; returns the output its capture wrote (overwritten in place)."""
+    graph.replay()
+    return out
 
 
 @torch.no_grad()

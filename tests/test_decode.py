@@ -85,6 +85,33 @@ def test_sdpa_decode_sweep_on_cpu_reports_ok_and_unsupported_backends():
     assert math_rows["bytes"].tolist() == [4 * (2 * 4 * 16 + 2 * 2 * 64 * 16) * b for b in (1, 2)]
     cudnn = df[df["backend"] == "sdpa_cudnn"]
     assert (cudnn["status"] != "ok").all() and cudnn["gb_per_s"].isna().all()
+    assert (df["timed"] == "eager").all()                                  # no CUDA graphs off a GPU
+
+
+def test_graphs_are_refused_off_a_gpu():
+    with pytest.raises(ValueError, match="CUDA device, not cpu"):
+        decode.graphed({"x": lambda: torch.zeros(1)}, "cpu")
+    with pytest.raises(ValueError, match="CUDA device, not cpu"):
+        decode.sdpa_decode_sweep([16], [1], h_q=2, h_kv=1, d=8, dtype=torch.float32, device="cpu", target_ms=1,
+                                 cuda_graph=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_replay_recomputes_from_the_inputs_current_contents_and_a_sync_is_reported():
+    """A replay reads the captured input tensors again (new contents, new result, written into the captured
+    output); a call that synchronises with the host cannot be captured: it comes back as an error, the rest run."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 64, device="cuda"), torch.randn(2, 96, 2, 64, device="cuda"), torch.randn(2, 96, 2, 64, device="cuda")
+    fns = decode.yardsticks(q, k, v, ("sdpa_math",))
+    fns["syncs"] = lambda: q.sum().item()
+    replays, errors = decode.graphed(fns, "cuda")
+    assert set(replays) == {"sdpa_math"} and set(errors) == {"syncs"}
+    for _ in range(2):
+        q.normal_()
+        torch.testing.assert_close(replays["sdpa_math"](), fns["sdpa_math"](), rtol=0, atol=0)
+    df = decode.sdpa_decode_sweep([256], [1], h_q=8, h_kv=2, d=64, dtype=torch.bfloat16, device="cuda", target_ms=2,
+                                  fa4=False)
+    assert (df["timed"] == "cuda graph").all() and (df.set_index("backend").loc["sdpa_flash", "status"] == "ok")
 
 
 def test_yardsticks_compute_the_same_attention_on_cpu_and_name_what_they_take():
