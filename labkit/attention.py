@@ -226,11 +226,18 @@ def auto_choice(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> str:
     gradients) on detached views of the inputs, taking turns in short blocks
     (:func:`labkit.measure.time_interleaved`) so a GPU clock that drifts favours no one, with L2
     flushed before each call (in a training step the inputs come cold from other layers) and each
-    turn started on an idle GPU and each call timed as the longer of its GPU and its host time, so a
-    kernel whose Python launches outlast its kernels (FA4's forward+backward at N = 1024 on an H100,
-    its forward at GPT-2 small's inference shapes) is timed by its launches, as its caller pays them; the lowest
-    median wins and is cached per (device, dtype, shapes, causal, layout, grad). A candidate that
-    fails (e.g. a kernel that does not compile for this shape) drops out.
+    turn started on an idle GPU. What a call costs depends on the situation:
+    - inference (no gradients): the longer of its GPU and its host time. A forward at short N is
+      bound by the host (GPT-2 small's at N = 512-1024, batch 4: 8-12 ms on an H100, far above its
+      kernels), so a kernel whose Python launch outlasts its kernels (FA4's forward at those shapes)
+      costs the model its launch: timed by its events alone, FA4 won and made GPT-2 1.2-1.3x slower
+      than SDPA on an H200.
+    - training (forward+backward): its GPU time, as ``triton.testing.do_bench`` times it. A step
+      queues the forward and backward of every layer, so the launches run while the GPU works and
+      are hidden; counting FA4's host time of about 1 ms (forward+backward at N = 1024) picked cuDNN
+      where FA4 ran 10% faster under do_bench (H100, B=16, H=32, D=64, causal, bhnd).
+    The lowest median wins and is cached per (device, dtype, shapes, causal, layout, grad). A candidate
+    that fails (e.g. a kernel that does not compile for this shape) drops out.
 
     The timing runs in a thread of its own, outside the caller's autograd state: inside
     activation checkpointing, autocast, ``no_grad`` or ``inference_mode`` the call that tunes
@@ -287,7 +294,7 @@ def _fastest(names: list[str], q, k, v, causal: bool, layout: str, needs_grad: b
             steps = {name: _step(_plan(name, layout, causal, needs_grad, cast), q, k, v, needs_grad) for name in names}
             outcome["timings"], outcome["failures"] = time_interleaved(
                 steps, device=q.device, warmup=2, target_ms=TUNE_MS, min_reps=5, max_reps=200, flush_l2=True,
-                errors=RUN_ERRORS)
+                errors=RUN_ERRORS, host_time=not needs_grad)
         except BaseException as err:  # handed to the caller's thread
             outcome["error"] = err
 

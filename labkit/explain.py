@@ -74,9 +74,11 @@ def auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = Fa
 
 def _situation(q, k, v, dtype: torch.dtype, *, timed: bool) -> str:
     """One line: what auto's choice was made for, and how the candidates were timed."""
-    mode = "forward+backward (autograd needs gradients)" if attn.grad_needed(q, k, v) else "forward only"
-    how = ("each candidate timed in turns" + (", L2 flushed before each call, every turn started on an idle GPU, "
-                                               "a call's time the longer of its GPU and its host (launch) time"
+    training = attn.grad_needed(q, k, v)
+    mode = "forward+backward (autograd needs gradients)" if training else "forward only"
+    cost = ("a call's time its GPU time (a training step queues its launches behind GPU work)" if training else
+            "a call's time the longer of its GPU and its host (launch) time (a forward at short N is host-bound)")
+    how = ("each candidate timed in turns" + (", L2 flushed before each call, every turn started on an idle GPU, " + cost
                                                if q.device.type == "cuda" else " (CPU clock)")) if timed else "no timing"
     return f"{q.device.type}, {str(dtype).replace('torch.', '')}, {mode}; {how}"
 

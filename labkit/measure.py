@@ -70,7 +70,8 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
 @gc_paused()
 def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmup: int = 2,
                      target_ms: float = 100.0, min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False,
-                     errors: tuple[type[BaseException], ...] = ()) -> tuple[dict[str, Timing], dict[str, BaseException]]:
+                     errors: tuple[type[BaseException], ...] = (), host_time: bool = True,
+                     ) -> tuple[dict[str, Timing], dict[str, BaseException]]:
     """Time several calls against each other, taking turns, so that they share the GPU's conditions.
 
     GPU: a start and an end CUDA event around each call, the calls of a turn queued back to back,
@@ -93,6 +94,9 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     ``target_ms`` is timed by them alone); a warm-up of about ``target_ms / 4``
     (GPU clocks run high after a pause); then reps that fill about ``target_ms`` per function.
     ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2.
+    ``host_time=False`` takes the event time alone, as ``triton.testing.do_bench`` does (the host's
+    launch is then hidden up to the flush's length): for work whose launches a caller hides behind
+    a queue of GPU work, as a training step's are.
     CPU: ``time.perf_counter`` around each call, in the same turns. The garbage collector is
     paused throughout (:func:`gc_paused`).
 
@@ -104,13 +108,14 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     failures: dict[str, BaseException] = {}
 
     def timed(reps: dict[str, int], block: dict[str, int] | None = None) -> dict[str, list[float]]:
-        return _turns_ms(fns, reps, block=block, device=device, flush=flush, errors=errors, failures=failures)
+        return _turns_ms(fns, reps, block=block, device=device, flush=flush, errors=errors, failures=failures,
+                         host_time=host_time)
 
     probe = {}  # the last warm-up call, synchronized: which calls are fast enough for blocks
     for name in fns:
         try:
             for _ in range(warmup):
-                read = _timed_call(fns[name], device, None)
+                read = _timed_call(fns[name], device, None, host_time)
             _sync(device)
             probe[name] = read() if warmup else math.inf
         except errors as err:
@@ -133,7 +138,7 @@ MIN_BLOCK = 3   # a lead-in and at least two timed calls
 
 def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, block: dict[str, int] | None,
               device: torch.device, flush: torch.Tensor | None, errors: tuple[type[BaseException], ...],
-              failures: dict[str, BaseException]) -> dict[str, list[float]]:
+              failures: dict[str, BaseException], host_time: bool = True) -> dict[str, list[float]]:
     """Milliseconds of ``reps[name]`` calls of each function, taking turns.
 
     A turn of ``name`` is ``block[name]`` consecutive calls (1 when ``block`` is None or there is
@@ -159,21 +164,23 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
                 if size[name] > 1:
                     fns[name]()  # lead-in: may wait for the GPU queue to refill
                 for _ in range(min(per_block[name], reps[name] - len(pending[name]))):
-                    pending[name].append(_timed_call(fns[name], device, flush))
+                    pending[name].append(_timed_call(fns[name], device, flush, host_time))
             except errors as err:
                 failures[name] = err
     _sync(device)
     return {name: [read() for read in reads] for name, reads in pending.items() if name not in failures}
 
 
-def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Tensor | None) -> Callable[[], float]:
+def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Tensor | None,
+                host_time: bool = True) -> Callable[[], float]:
     """Call ``fn`` once; returns a reader of its milliseconds (valid after a synchronize on a GPU).
 
     On a GPU a call takes the longer of its CUDA-event time and its host time (``fn``'s Python and
-    launches): the flush queued just before it keeps the GPU busy while the host launches, so the
-    events alone would let a launch up to the flush's length go free, though a caller whose GPU is
-    waiting pays it. On an H200, FA4's forward at GPT-2 small's inference shape (B=4, H=12,
-    N=512-1024, D=64) won auto's timing that way and made the model 1.2-1.3x slower than with SDPA.
+    launches), or with ``host_time=False`` its event time: the flush queued just before it keeps the
+    GPU busy while the host launches, so the events alone let a launch up to the flush's length go
+    free, though a caller whose GPU is waiting pays it. On an H200, FA4's forward at GPT-2 small's
+    inference shape (B=4, H=12, N=512-1024, D=64) won auto's timing by its events alone and made the
+    model 1.2-1.3x slower than with SDPA.
     """
     if device.type != "cuda":
         t0 = time.perf_counter()
@@ -188,7 +195,7 @@ def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Ten
     fn()
     host_ms = (time.perf_counter() - t0) * 1e3
     end.record()
-    return lambda: max(start.elapsed_time(end), host_ms)
+    return lambda: max(start.elapsed_time(end), host_ms) if host_time else start.elapsed_time(end)
 
 
 def _timing(ms: list[float]) -> Timing:

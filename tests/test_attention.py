@@ -280,6 +280,23 @@ def test_auto_picks_the_fastest_and_drops_a_failing_candidate(monkeypatch, make_
     assert A.auto_choice(*make_qkv(1, 4, 256, 32), causal=True) == "sdpa_flash"
 
 
+@pytest.mark.parametrize("requires_grad,host_time", [(False, True), (True, False)])
+def test_auto_counts_host_time_for_inference_and_gpu_time_for_training(monkeypatch, make_qkv, requires_grad,
+                                                                        host_time):
+    """Inference at short N is host-bound: a launch slower than its kernels costs the model; a training
+    step queues its launches behind GPU work, which hides them (do_bench's view)."""
+    seen = []
+    real = A.time_interleaved
+    monkeypatch.setattr(A, "time_interleaved", lambda *a, **kw: seen.append(kw["host_time"]) or real(*a, **kw))
+    monkeypatch.setattr(A, "_AUTO_CACHE", {})
+    monkeypatch.setattr(A, "auto_candidates", lambda *a, **kw: ["sdpa_flash", "reference"])
+    q, k, v = (t.requires_grad_(requires_grad) for t in make_qkv(1, 2, 64, 16))
+    A.auto_choice(q, k, v, causal=True)
+    with torch.no_grad():
+        A.auto_choice(q.detach(), k.detach(), v.detach(), causal=False)
+    assert seen == [host_time, True]
+
+
 def test_auto_with_causal_unequal_lengths_keeps_bottom_right(make_qkv):
     q, k, v = make_qkv(1, 2, 16, 16, Nk=40, seed=6)
     o = attention(q, k, v, causal=True, backend="auto")

@@ -154,6 +154,16 @@ def test_a_gpu_call_takes_the_longer_of_its_launch_and_its_kernels(monkeypatch, 
     assert read() == pytest.approx(expected)
 
 
+def test_without_host_time_a_gpu_call_is_timed_by_its_events_alone(monkeypatch):
+    """As do_bench: a launch slower than the kernels is hidden (a training step's queue hides it)."""
+    clock = VirtualClock()
+    monkeypatch.setattr(M, "time", clock)
+    monkeypatch.setattr(M.torch.cuda, "Event", FakeEvent)
+    FakeEvent.gpu_ms = 1.0
+    read = M._timed_call(lambda: clock.work(3.0), torch.device("cuda"), flush=None, host_time=False)
+    assert read() == pytest.approx(1.0)
+
+
 def test_taking_turns_cancels_a_drifting_clock(monkeypatch):
     clock, calls = VirtualClock(), [0]
     monkeypatch.setattr(M, "time", clock)
