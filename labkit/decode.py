@@ -266,18 +266,21 @@ def graphed(fns: dict[str, Callable[[], object]], device) -> tuple[dict[str, Cal
 
     Returns:
         (name -> a call that replays the graph and returns the captured output, which every replay
-        overwrites; name -> the error of a call that could not be captured, e.g. one that synchronises).
+        overwrites; name -> the error of a call that failed when first run, e.g. a backend that cannot
+        take this input). A call that fails while it is captured (e.g. one that synchronises) raises:
+        a failed capture leaves CUDA's random-number state unusable in this process (the next
+        ``torch.randn`` on the GPU fails), so it is not a failure to report and go on from.
     """
     if torch.device(device).type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, not {device}: time the calls as they are there")
     replays, errors = {}, {}
     for name, fn in fns.items():
         try:
-            graph, out = _capture(fn)
+            fn()                                      # a call that cannot run fails here, before any capture
         except RUN_ERRORS as err:
             errors[name] = err
             continue
-        replays[name] = functools.partial(_replay, graph, out)
+        replays[name] = functools.partial(_replay, *_capture(fn))
     return replays, errors
 
 

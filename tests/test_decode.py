@@ -97,15 +97,17 @@ def test_graphs_are_refused_off_a_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_a_replay_recomputes_from_the_inputs_current_contents_and_a_sync_is_reported():
+def test_a_replay_recomputes_from_the_inputs_current_contents_and_a_failing_call_is_reported():
     """A replay reads the captured input tensors again (new contents, new result, written into the captured
-    output); a call that synchronises with the host cannot be captured: it comes back as an error, the rest run."""
+    output); a call that cannot run (here SDPA's efficient kernel, which takes no GQA at query length 1)
+    comes back as an error, the rest run."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 8, 64, device="cuda"), torch.randn(2, 96, 2, 64, device="cuda"), torch.randn(2, 96, 2, 64, device="cuda")
     fns = decode.yardsticks(q, k, v, ("sdpa_math",))
-    fns["syncs"] = lambda: q.sum().item()
+    fns["cannot run"] = lambda: decode._sdpa_runner("sdpa_efficient", q[:, :, None].half(), k.transpose(1, 2).half(),
+                                                     v.transpose(1, 2).half())()
     replays, errors = decode.graphed(fns, "cuda")
-    assert set(replays) == {"sdpa_math"} and set(errors) == {"syncs"}
+    assert set(replays) == {"sdpa_math"} and set(errors) == {"cannot run"}
     for _ in range(2):
         q.normal_()
         torch.testing.assert_close(replays["sdpa_math"](), fns["sdpa_math"](), rtol=0, atol=0)
