@@ -235,15 +235,20 @@ def _forward(model, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, k
     return model.lm_head(inner.norm(h[:, -1])).argmax(-1, keepdim=True)
 
 
-def _capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """``fn`` run once on a side stream (Triton compiles, the caching allocator warms up), then captured in a
-    CUDA graph: (the graph, the output tensor each replay overwrites). ``fn`` must read its inputs from
-    tensors that stay in place and must not synchronise with the host."""
+def _warm_up(fn: Callable[[], object]) -> None:
+    """``fn`` run once on a side stream before its capture (Triton compiles, libraries set up, the caching
+    allocator warms up); its errors propagate."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
+
+
+def _capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``fn``, warmed up (:func:`_warm_up`), captured in a CUDA graph: (the graph, the output tensor each
+    replay overwrites). ``fn`` must read its inputs from tensors that stay in place and must not
+    synchronise with the host."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
@@ -276,7 +281,7 @@ def graphed(fns: dict[str, Callable[[], object]], device) -> tuple[dict[str, Cal
     replays, errors = {}, {}
     for name, fn in fns.items():
         try:
-            fn()                                      # a call that cannot run fails here, before any capture
+            _warm_up(fn)                              # a call that cannot run fails here, before any capture
         except RUN_ERRORS as err:
             errors[name] = err
             continue
@@ -363,6 +368,7 @@ def generate_paged(model, prompt: torch.Tensor, new_tokens: int, *, allocator, a
                 out.append(decode_step())
                 continue
             if graph is None:
+                _warm_up(decode_step)
                 graph, next_ids = _capture(decode_step)
             graph.replay()
             out.append(next_ids.clone())
