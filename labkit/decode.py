@@ -13,6 +13,10 @@ student's code, never an answer:
 - :func:`graphed`: calls captured in CUDA graphs and replayed, as a serving engine runs a decode step: what
   the notebook times on a GPU, so that the host's launch path (Python wrappers, Triton's and SDPA's
   dispatch: microseconds per kernel) is not what a kernel of microseconds is compared by.
+  :func:`layered` puts :data:`LAYERS` calls in one graph, as a model's decode step has one attention per
+  layer, on :func:`caches_for` distinct caches so none is read from L2.
+- :func:`read_once`: a kernel that only reads the cache, once: the fastest any decode kernel can be at
+  that size, timed the same way.
 - :func:`fa4_num_splits`: the ``num_splits`` FA4 takes on this GPU (its split-KV path needs Blackwell).
 - :func:`page_table`: per-sequence page lists as the padded int32 table a paged kernel reads.
 - :func:`write_kv`: new tokens' K/V scattered into the pages at the slots an allocator returned.
@@ -28,18 +32,23 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import warnings
 from typing import Callable
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from . import bench, measure
 from .kernels import RUN_ERRORS, flash_function  # RUN_ERRORS: what a kernel that cannot take an input raises
 
 SDPA_DECODE_BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
 YARDSTICKS = SDPA_DECODE_BACKENDS + ("fa4",)
+LAYERS = 8   # attention calls per timed CUDA graph: a model's decode step runs one per layer in one graph
+READ_ONLY = "read only"   # the name of read_once's row or column
 
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
@@ -132,48 +141,70 @@ def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv: int, d: int,
                       dtype: torch.dtype, device, target_ms: float = 20.0, fa4: bool = True,
                       cuda_graph: bool | None = None) -> pd.DataFrame:
-    """Time one decode step (query length 1) of each SDPA backend, and FA4, over context and batch.
+    """Time one decode step (query length 1) of each SDPA backend, FA4 and :func:`read_once` (the limit: a
+    kernel that only reads the cache) over context and batch.
 
     Args:
         contexts: context lengths N (keys per sequence).
         batches: batch sizes B.
         h_q, h_kv, d: query heads, key/value heads (GQA when h_kv < h_q), head dim.
-        target_ms: timing budget per call (:func:`labkit.measure.time_interleaved`, L2 flushed before each
-            call: at N = 8K one layer's K/V in bf16, 33.5 MB, fits in an H100's 50 MB L2, and a loop of one
-            call would read it from there, faster than any decode step of a real model does).
+        target_ms: timing budget per call (:func:`labkit.measure.time_interleaved`, L2 flushed by a read
+            before each timed call: at N = 8K one layer's K/V in bf16, 33.5 MB, fits in an H100's 50 MB
+            L2, and a loop of one call would read it from there, faster than any decode step of a real
+            model does).
         fa4: also time ``flash_attn.cute.flash_attn_func`` where it imports (:func:`yardsticks`).
-        cuda_graph: time replays of each call captured in a CUDA graph (:func:`graphed`; default: on a GPU).
+        cuda_graph: time replays of CUDA graphs, each of :data:`LAYERS` calls on :func:`caches_for` distinct
+            caches (:func:`layered`, :func:`graphed`), a call's time being the replay's over ``LAYERS``
+            (default: on a GPU); else each call launched from Python, one at a time.
 
     Returns:
-        One row per (B, N, backend): ``ms`` (median), ``gb_per_s`` = :func:`tensor_bytes` of q, k, v
-        and o over the time, ``status`` ("ok", else :func:`labkit.bench.failure_status`: "oom", "error: ...", ...),
-        ``timed`` ("cuda graph" or "eager").
+        One row per (B, N, backend): ``ms`` (median per call), ``gb_per_s`` = :func:`tensor_bytes` of q,
+        k, v and o over the time, ``status`` ("ok", else :func:`labkit.bench.failure_status`: "oom",
+        "error: ...", ...), ``timed`` ("cuda graph" or "eager"), ``calls_per_replay``.
     """
     device = torch.device(device)
     use_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+    layers = LAYERS if use_graph else 1
     backends = SDPA_DECODE_BACKENDS + (("fa4",) if fa4 else ())
+    size = torch.empty((), dtype=dtype).element_size()
     rows = []
     for b in batches:
         for n in contexts:
-            q = torch.randn(b, h_q, d, dtype=dtype, device=device)
-            k, v = (torch.randn(b, n, h_kv, d, dtype=dtype, device=device) for _ in range(2))
-            moved = tensor_bytes(q, k, v, q)                     # o has q's size
-            fns = yardsticks(q, k, v, backends)
+            moved = (2 * b * h_q * d + 2 * b * n * h_kv * d) * size          # q and o, K and V
+            per_cache = []
+            for c in range(caches_for(moved, device, layers=layers)):
+                q, k, v = (_noise(shape, dtype, device, seed=3 * c + i)
+                           for i, shape in enumerate([(b, h_q, d), (b, n, h_kv, d), (b, n, h_kv, d)]))
+                per_cache.append({**yardsticks(q, k, v, backends), READ_ONLY: read_once(k, v)})
             with warnings.catch_warnings():  # a forced backend that cannot take the input says why, then raises
                 warnings.simplefilter("ignore", UserWarning)
-                calls, errors = graphed(fns, device) if use_graph else (fns, {})
+                calls, errors = graphed(layered(per_cache, layers), device) if use_graph else (per_cache[0], {})
                 timings, failed = measure.time_interleaved(calls, device=device, target_ms=target_ms, flush_l2=True,
-                                                           errors=RUN_ERRORS)
+                                                           flush_by="read", errors=RUN_ERRORS)
             errors.update(failed)
-            for name in fns:
+            for name in per_cache[0]:
                 ok = name in timings
-                ms = timings[name].median_ms if ok else float("nan")
+                ms = timings[name].median_ms / layers if ok else float("nan")
                 rows.append(dict(backend=name, B=b, N=n, h_q=h_q, h_kv=h_kv, d=d, dtype=str(dtype).split(".")[-1],
                                  bytes=moved, ms=ms, gb_per_s=moved / (ms * 1e-3) / 1e9 if ok else float("nan"),
                                  status="ok" if ok else bench.failure_status(errors[name]),
-                                 timed="cuda graph" if use_graph else "eager", device=device.type))
-            del q, k, v, fns, calls
+                                 timed="cuda graph" if use_graph else "eager", calls_per_replay=layers,
+                                 device=device.type))
+            del per_cache, calls, errors, timings, failed
+            if device.type == "cuda":
+                torch.cuda.empty_cache()                     # the graphs' pools and caches of this shape back
     return pd.DataFrame(rows)
+
+
+NOISE_BLOCK = 2**20
+
+
+def _noise(shape: tuple[int, ...], dtype: torch.dtype, device, *, seed: int) -> torch.Tensor:
+    """A tensor of ``shape`` filled with standard-normal values: a block of ``NOISE_BLOCK`` drawn by a seeded CPU
+    generator, repeated (fast at gigabytes; needs no CUDA generator, which a failed graph capture breaks)."""
+    numel = math.prod(shape)
+    block = torch.randn(min(numel, NOISE_BLOCK), generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+    return block.repeat(-(-numel // block.numel()))[:numel].view(shape)
 
 
 def page_table(pages: list[list[int]], *, width: int | None = None, device=None) -> torch.Tensor:
@@ -236,11 +267,14 @@ def _forward(model, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, k
 
 
 def _warm_up(fn: Callable[[], object]) -> None:
-    """``fn`` run once on a side stream before its capture (Triton compiles, libraries set up, the caching
-    allocator warms up); its errors propagate."""
+    """``fn`` run twice on a side stream before its capture (Triton compiles, libraries set up, the caching
+    allocator warms up); its errors propagate. Twice: a library may finish its setup only on the second
+    call (FA4's first call compiles and runs its kernel, the second is the first through its compiled-kernel
+    cache): in the capture that setup invalidated it (``cudaErrorStreamCaptureInvalidated``, H100)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
+        fn()
         fn()
     torch.cuda.current_stream().wait_stream(side)
 
@@ -266,27 +300,103 @@ def graphed(fns: dict[str, Callable[[], object]], device) -> tuple[dict[str, Cal
     Args:
         fns: name -> a call without arguments that reads tensors that stay in place and never synchronises
             with the host (e.g. no ``int(seqlens.max())``), as the calls of :func:`yardsticks` and the
-            notebook's kernels given ``max_len``.
+            notebook's kernels given ``max_len``; or a list of such calls, captured one after another in
+            one graph (:func:`layered`: a replay then runs them all, and its time is theirs together).
         device: a CUDA device; CUDA graphs exist only there.
 
     Returns:
         (name -> a call that replays the graph and returns the captured output, which every replay
         overwrites; name -> the error of a call that failed when first run, e.g. a backend that cannot
-        take this input). A call that fails while it is captured (e.g. one that synchronises) raises:
-        a failed capture leaves CUDA's random-number state unusable in this process (the next
-        ``torch.randn`` on the GPU fails), so it is not a failure to report and go on from.
+        take this input, or while it was captured, e.g. one that synchronises, or FA4's forward in
+        :func:`sdpa_decode_sweep` on an H100 (``cudaErrorStreamCaptureInvalidated``), though it was
+        captured in notebook 08's own cells). A failed capture leaves CUDA's default random-number
+        generator unusable in this process (the next ``torch.randn`` on the GPU fails): a caller that goes
+        on makes its inputs without it, as :func:`sdpa_decode_sweep` and notebook 08 (a CPU generator) do.
     """
     if torch.device(device).type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, not {device}: time the calls as they are there")
     replays, errors = {}, {}
     for name, fn in fns.items():
+        calls = list(fn) if isinstance(fn, (list, tuple)) else [fn]
         try:
-            _warm_up(fn)                              # a call that cannot run fails here, before any capture
+            for call in calls:
+                _warm_up(call)                        # a call that cannot run fails here, before any capture
         except RUN_ERRORS as err:
             errors[name] = err
             continue
-        replays[name] = functools.partial(_replay, *_capture(fn))
+        try:
+            replays[name] = functools.partial(_replay, *_capture(functools.partial(_in_turn, calls)))
+        except RuntimeError as err:                   # torch's AcceleratorError and FA4's CUDA errors among them
+            errors[name] = err.with_traceback(None)   # its frames would keep the failed graph's memory alive
     return replays, errors
+
+
+def _in_turn(calls: list[Callable[[], object]]):
+    """Run ``calls`` one after another; returns the last one's output."""
+    for call in calls:
+        out = call()
+    return out
+
+
+def caches_for(cache_bytes: int, device, *, layers: int = LAYERS) -> int:
+    """How many distinct caches the ``layers`` calls of a timed graph cycle through (1 to ``layers``):
+    enough that between two reads of one byte the calls read at least three times the GPU's L2, so each
+    call reads its cache from memory, as each layer of a model does. 1 off a GPU.
+
+    Example: an H100 (50 MB L2), batch 1, N = 8K, 8 KV heads, d = 128, bf16 (33.6 MB): 5 caches.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, min(layers, -(-3 * l2 // max(1, cache_bytes))))
+
+
+def layered(per_cache: list[dict[str, Callable[[], object]]], layers: int = LAYERS) -> dict[str, list]:
+    """name -> the ``layers`` calls of one timed graph (for :func:`graphed`), call i on cache
+    ``i % len(per_cache)``: per_cache[c] holds the same names' calls on cache c. A name missing from a
+    cache's calls is left out."""
+    if not per_cache or layers < 1:
+        raise ValueError(f"need at least one cache and one layer, got {len(per_cache)} caches, layers={layers}")
+    names = [name for name in per_cache[0] if all(name in calls for calls in per_cache)]
+    return {name: [per_cache[i % len(per_cache)][name] for i in range(layers)] for name in names}
+
+
+@triton.jit
+def _read_kernel(x_ptr, sums_ptr, n, per_program, BLOCK: tl.constexpr):
+    """Program p sums elements [p * per_program, min((p + 1) * per_program, n)) of x into sums[p] (fp32)."""
+    p = tl.program_id(0).to(tl.int64)
+    lo = p * per_program
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(lo, tl.minimum(lo + per_program, n), BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < tl.minimum(lo + per_program, n), other=0.0).to(tl.float32)
+    tl.store(sums_ptr + p, tl.sum(acc, 0))
+
+
+READ_BLOCK = 4096
+
+
+def read_once(*tensors: torch.Tensor, programs: int | None = None) -> Callable[[], torch.Tensor]:
+    """A call that reads every element of ``tensors`` once and returns their total (fp32, a 0-d tensor): no
+    decode kernel can read the same bytes faster, so its GB/s, timed the same way, is the limit at that
+    size. On a GPU a Triton streaming sum (``programs`` contiguous slices, 4 per SM by default); on a CPU
+    ``torch.sum`` (Triton's interpreter there would time Python, not memory)."""
+    if not tensors or any(not t.is_contiguous() for t in tensors):
+        raise ValueError("read_once takes one or more contiguous tensors")
+    device = tensors[0].device
+    if device.type != "cuda":
+        return lambda: sum(t.sum(dtype=torch.float32) for t in tensors)
+    if programs is None:
+        programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    sums = torch.empty(len(tensors), programs, dtype=torch.float32, device=device)
+
+    def run():
+        for t, row in zip(tensors, sums):
+            per = -(-t.numel() // programs // READ_BLOCK) * READ_BLOCK
+            _read_kernel[(programs,)](t, row, t.numel(), per, BLOCK=READ_BLOCK)
+        return sums.sum()
+    return run
 
 
 def _replay(graph: torch.cuda.CUDAGraph, out):

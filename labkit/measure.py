@@ -6,6 +6,7 @@ The bottom floor of labkit: it imports no other labkit module, so the kernels' e
 
 - :func:`time_fn`: CUDA events after warm-up (optional L2 flush) on a GPU, perf_counter on a
   CPU; median and 20/80% quantiles. :func:`time_interleaved` times several calls taking turns.
+- :func:`l2_flusher`: the call that evicts L2 between timed calls, by writing (as do_bench) or reading.
 - :func:`call_ms`: one call of work that runs once (a training step).
 - :func:`peak_memory`: extra GPU memory a call allocates (peak minus what was there before).
 
@@ -13,6 +14,7 @@ Used in: 01_setup_and_comparison, 03_long_sequence_training, 04_performance_anal
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import time
@@ -70,7 +72,7 @@ def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, target_ms
 @gc_paused()
 def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmup: int = 2,
                      target_ms: float = 100.0, min_reps: int = 5, max_reps: int = 100, flush_l2: bool = False,
-                     errors: tuple[type[BaseException], ...] = (), host_time: bool = True,
+                     flush_by: str = "write", errors: tuple[type[BaseException], ...] = (), host_time: bool = True,
                      ) -> tuple[dict[str, Timing], dict[str, BaseException]]:
     """Time several calls against each other, taking turns, so that they share the GPU's conditions.
 
@@ -93,7 +95,12 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     for blocks); ``min_reps`` timed calls each (the estimate; a call so slow that they fill
     ``target_ms`` is timed by them alone); a warm-up of about ``target_ms / 4``
     (GPU clocks run high after a pause); then reps that fill about ``target_ms`` per function.
-    ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2.
+    ``flush_l2`` overwrites a 256 MiB buffer before each call so no input is served from L2, as
+    do_bench does. That leaves L2 full of dirty lines (50 MB on an H100), which the timed call must
+    first write back to memory: nothing next to a compute-bound call, but a memory-bound call of tens
+    of microseconds pays it in full. ``flush_by="read"`` reads the buffer instead (L2 is left holding
+    clean lines, dropped for free): a plain read of 33.6 MB on an H100 took 18.9 us after a read and
+    23.6 us after a write (H100, one CUDA graph replay each).
     ``host_time=False`` takes the event time alone, as ``triton.testing.do_bench`` does (the host's
     launch is then hidden up to the flush's length): for work whose launches a caller hides behind
     a queue of GPU work, as a training step's are.
@@ -104,7 +111,7 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     and its exception returned; any other exception propagates.
     """
     device = as_device(device)
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
+    flush = l2_flusher(device, flush_by) if flush_l2 else None
     failures: dict[str, BaseException] = {}
 
     def timed(reps: dict[str, int], block: dict[str, int] | None = None) -> dict[str, list[float]]:
@@ -132,12 +139,25 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
     return timings, failures
 
 
+def l2_flusher(device, by: str = "write") -> Callable[[], object] | None:
+    """A call that evicts L2 by touching a 256 MiB buffer: ``by="write"`` overwrites it (as
+    ``triton.testing.do_bench``; L2 is left dirty), ``by="read"`` sums it (L2 is left clean).
+    None off a GPU, where there is nothing to flush."""
+    if by not in ("write", "read"):
+        raise ValueError(f"flush_by must be 'write' or 'read', not {by!r}")
+    device = as_device(device)
+    if device.type != "cuda":
+        return None
+    buffer = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+    return buffer.zero_ if by == "write" else functools.partial(torch.sum, buffer, dtype=torch.int32)
+
+
 BLOCK_MS = 2.0  # a turn of time_interleaved: short next to the tens of ms over which GPU clocks drift
 MIN_BLOCK = 3   # a lead-in and at least two timed calls
 
 
 def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, block: dict[str, int] | None,
-              device: torch.device, flush: torch.Tensor | None, errors: tuple[type[BaseException], ...],
+              device: torch.device, flush: Callable[[], object] | None, errors: tuple[type[BaseException], ...],
               failures: dict[str, BaseException], host_time: bool = True) -> dict[str, list[float]]:
     """Milliseconds of ``reps[name]`` calls of each function, taking turns.
 
@@ -171,7 +191,7 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
     return {name: [read() for read in reads] for name, reads in pending.items() if name not in failures}
 
 
-def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Tensor | None,
+def _timed_call(fn: Callable[[], object], device: torch.device, flush: Callable[[], object] | None,
                 host_time: bool = True) -> Callable[[], float]:
     """Call ``fn`` once; returns a reader of its milliseconds (valid after a synchronize on a GPU).
 
@@ -188,7 +208,7 @@ def _timed_call(fn: Callable[[], object], device: torch.device, flush: torch.Ten
         ms = (time.perf_counter() - t0) * 1e3
         return lambda: ms
     if flush is not None:
-        flush.zero_()
+        flush()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -78,7 +80,9 @@ def test_write_kv_scatters_tokens_to_their_slots():
 
 def test_sdpa_decode_sweep_on_cpu_reports_ok_and_unsupported_backends():
     df = decode.sdpa_decode_sweep([64], [1, 2], h_q=4, h_kv=2, d=16, dtype=torch.float32, device="cpu", target_ms=1)
-    assert set(df["backend"]) == set(decode.SDPA_DECODE_BACKENDS) and len(df) == 2 * len(decode.SDPA_DECODE_BACKENDS)
+    names = set(decode.SDPA_DECODE_BACKENDS) | {decode.READ_ONLY}
+    assert set(df["backend"]) == names and len(df) == 2 * len(names)
+    assert (df["calls_per_replay"] == 1).all()                            # one call per timing off a GPU
     math_rows = df[df["backend"] == "sdpa_math"]
     assert (math_rows["status"] == "ok").all() and (math_rows["gb_per_s"] > 0).all()
     # bytes: q and o [B, 4, 1, 16] plus K and V [B, 2, 64, 16], fp32
@@ -106,14 +110,18 @@ def test_a_replay_recomputes_from_the_inputs_current_contents_and_a_failing_call
     fns = decode.yardsticks(q, k, v, ("sdpa_math",))
     fns["cannot run"] = lambda: decode._sdpa_runner("sdpa_efficient", q[:, :, None].half(), k.transpose(1, 2).half(),
                                                      v.transpose(1, 2).half())()
+    fns["two layers"] = [fns["sdpa_math"], decode.read_once(k, v)]       # one graph, the last call's output
     replays, errors = decode.graphed(fns, "cuda")
-    assert set(replays) == {"sdpa_math"} and set(errors) == {"cannot run"}
+    assert set(replays) == {"sdpa_math", "two layers"} and set(errors) == {"cannot run"}
     for _ in range(2):
         q.normal_()
         torch.testing.assert_close(replays["sdpa_math"](), fns["sdpa_math"](), rtol=0, atol=0)
+        k.normal_()
+        torch.testing.assert_close(replays["two layers"](), k.sum() + v.sum(), rtol=1e-4, atol=1e-2)
     df = decode.sdpa_decode_sweep([256], [1], h_q=8, h_kv=2, d=64, dtype=torch.bfloat16, device="cuda", target_ms=2,
                                   fa4=False)
     assert (df["timed"] == "cuda graph").all() and (df.set_index("backend").loc["sdpa_flash", "status"] == "ok")
+    assert (df["calls_per_replay"] == decode.LAYERS).all() and (df.set_index("backend").loc[decode.READ_ONLY, "status"] == "ok")
 
 
 def test_yardsticks_compute_the_same_attention_on_cpu_and_name_what_they_take():
@@ -273,3 +281,64 @@ def test_a_sweep_that_runs_out_of_memory_says_oom(monkeypatch):
     monkeypatch.setattr(decode, "_sdpa_runner", runner)
     df = decode.sdpa_decode_sweep([16], [1], h_q=2, h_kv=1, d=8, dtype=torch.float32, device="cpu", target_ms=1)
     assert df.set_index("backend").loc["sdpa_math", "status"] == "oom"
+
+
+def test_read_once_reads_every_element_and_refuses_what_it_cannot_stream():
+    """The limit's kernel sums each tensor whole: its result equals torch's sum (CPU path); the Triton kernel
+    itself, run by the interpreter, covers every element once when the slices do not divide the length."""
+    k, v = torch.randn(3, 1000), torch.randn(77)
+    torch.testing.assert_close(decode.read_once(k, v)(), k.sum() + v.sum(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode.read_once(k.t())
+    with pytest.raises(ValueError, match="contiguous"):
+        decode.read_once()
+    device = "cuda" if torch.cuda.is_available() else "cpu"                # the interpreter runs it on a CPU
+    x, sums = torch.arange(10_000, dtype=torch.float32, device=device), torch.full((3,), float("nan"), device=device)
+    per = -(-x.numel() // 3 // 512) * 512                                 # 3584: the last slice is short
+    decode._read_kernel[(3,)](x, sums, x.numel(), per, BLOCK=512)
+    assert sums.tolist() == [x[i * per:(i + 1) * per].sum().item() for i in range(3)]
+
+
+def test_caches_for_cycles_enough_caches_that_none_is_read_from_l2(monkeypatch):
+    """Between two reads of one byte the graph's calls read at least 3x L2: 5 caches of 33.6 MB on a
+    50 MiB L2 (batch 1, 8K, bf16), 1 for a cache of 3x L2 or more, never more than the layers; 1 off a GPU."""
+    class Props:
+        L2_cache_size = 50 * 2**20
+    monkeypatch.setattr(decode.torch.cuda, "get_device_properties", lambda device: Props)
+    one_layer_8k = 2 * 8192 * 8 * 128 * 2
+    assert decode.caches_for(one_layer_8k, "cuda") == 5
+    assert decode.caches_for(3 * Props.L2_cache_size, "cuda") == 1
+    assert decode.caches_for(1000, "cuda") == decode.LAYERS and decode.caches_for(1000, "cuda", layers=3) == 3
+    assert decode.caches_for(one_layer_8k, "cpu") == 1
+
+
+def test_layered_cycles_the_caches_and_keeps_names_every_cache_has():
+    per_cache = [{"a": "a0", "b": "b0"}, {"a": "a1"}, {"a": "a2", "b": "b2"}]
+    assert decode.layered(per_cache, 5) == {"a": ["a0", "a1", "a2", "a0", "a1"]}
+    with pytest.raises(ValueError, match="one cache"):
+        decode.layered([], 8)
+
+
+def test_noise_is_seeded_normal_and_fills_any_shape_without_a_cuda_generator():
+    a = decode._noise((3, 5, 7), torch.bfloat16, "cpu", seed=1)
+    assert a.shape == (3, 5, 7) and a.dtype == torch.bfloat16
+    assert torch.equal(a, decode._noise((3, 5, 7), torch.bfloat16, "cpu", seed=1))
+    assert not torch.equal(a, decode._noise((3, 5, 7), torch.bfloat16, "cpu", seed=2))
+    big = decode._noise((decode.NOISE_BLOCK + 10,), torch.float32, "cpu", seed=0)   # repeats past one block
+    assert torch.equal(big[-10:], big[:10]) and abs(big[:decode.NOISE_BLOCK].std().item() - 1) < 0.01
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_call_that_breaks_its_capture_is_reported_and_the_next_one_still_replays():
+    """In a process of its own: a failed capture leaves CUDA's default generator unusable for the rest."""
+    code = """
+import torch
+from labkit import decode
+x = torch.ones(4, device="cuda")
+replays, errors = decode.graphed({"syncs": lambda: x.sum().item(), "fine": lambda: x * 2}, "cuda")
+assert set(errors) == {"syncs"} and set(replays) == {"fine"}, (errors, replays)
+assert replays["fine"]().tolist() == [2.0] * 4
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

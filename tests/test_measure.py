@@ -217,3 +217,13 @@ def test_gc_paused_pauses_and_restores_the_collector():
         assert not gc.isenabled(), "a collector the caller had turned off stays off"
     finally:
         gc.enable()
+
+
+def test_the_l2_flush_writes_or_reads_and_refuses_anything_else():
+    """Off a GPU there is no L2 to flush (None); a flush other than write/read is a clear error, also
+    through time_interleaved."""
+    assert M.l2_flusher("cpu", "write") is None and M.l2_flusher("cpu", "read") is None
+    with pytest.raises(ValueError, match="'write' or 'read'"):
+        M.l2_flusher("cpu", "zero")
+    with pytest.raises(ValueError, match="'write' or 'read'"):
+        M.time_interleaved({"f": lambda: None}, device="cpu", flush_l2=True, flush_by="clean", target_ms=1)
