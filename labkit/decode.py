@@ -149,7 +149,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
         batches: batch sizes B.
         h_q, h_kv, d: query heads, key/value heads (GQA when h_kv < h_q), head dim.
         target_ms: timing budget per call (:func:`labkit.measure.time_interleaved`, L2 flushed by a read
-            before each timed call: at N = 8K one layer's K/V in bf16, 33.5 MB, fits in an H100's 50 MB
+            before each timed call: at N = 8K one layer's K/V in bf16, 33.6 MB, fits in an H100's 50 MB
             L2, and a loop of one call would read it from there, faster than any decode step of a real
             model does).
         fa4: also time ``flash_attn.cute.flash_attn_func`` where it imports (:func:`yardsticks`).
@@ -307,9 +307,9 @@ def graphed(fns: dict[str, Callable[[], object]], device) -> tuple[dict[str, Cal
     Returns:
         (name -> a call that replays the graph and returns the captured output, which every replay
         overwrites; name -> the error of a call that failed when first run, e.g. a backend that cannot
-        take this input, or while it was captured, e.g. one that synchronises, or FA4's forward in
-        :func:`sdpa_decode_sweep` on an H100 (``cudaErrorStreamCaptureInvalidated``), though it was
-        captured in notebook 08's own cells). A failed capture leaves CUDA's default random-number
+        take this input, or while it was captured, e.g. one that synchronises, or one that finishes
+        its setup inside the capture (FA4's forward on an H100 did, ``cudaErrorStreamCaptureInvalidated``,
+        until :func:`_warm_up` ran each call twice). A failed capture leaves CUDA's default random-number
         generator unusable in this process (the next ``torch.randn`` on the GPU fails): a caller that goes
         on makes its inputs without it, as :func:`sdpa_decode_sweep` and notebook 08 (a CPU generator) do.
     """
@@ -378,9 +378,10 @@ READ_BLOCK = 4096
 
 
 def read_once(*tensors: torch.Tensor, programs: int | None = None) -> Callable[[], torch.Tensor]:
-    """A call that reads every element of ``tensors`` once and returns their total (fp32, a 0-d tensor): no
-    decode kernel can read the same bytes faster, so its GB/s, timed the same way, is the limit at that
-    size. On a GPU a Triton streaming sum (``programs`` contiguous slices, 4 per SM by default); on a CPU
+    """A call that reads every element of ``tensors`` once and returns their total (fp32, a 0-d tensor): what
+    reading the same bytes and computing nothing reaches at that size, timed the same way. A reference,
+    not a bound: it launches a kernel per tensor and one more for the total, and its reads are not tuned
+    (at 64K-128K tokens on an H100 good attention kernels beat it by 7-13%: notebook 08's reference run). On a GPU a Triton streaming sum (``programs`` contiguous slices, 4 per SM by default); on a CPU
     ``torch.sum`` (Triton's interpreter there would time Python, not memory)."""
     if not tensors or any(not t.is_contiguous() for t in tensors):
         raise ValueError("read_once takes one or more contiguous tensors")
