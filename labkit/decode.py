@@ -381,7 +381,8 @@ def read_once(*tensors: torch.Tensor, programs: int | None = None) -> Callable[[
     """A call that reads every element of ``tensors`` once and returns their total (fp32, a 0-d tensor): what
     reading the same bytes and computing nothing reaches at that size, timed the same way. A reference,
     not a bound: it launches a kernel per tensor and one more for the total, and its reads are not tuned
-    (at 64K-128K tokens on an H100 good attention kernels beat it by 7-13%: notebook 08's reference run). On a GPU a Triton streaming sum (``programs`` contiguous slices, 4 per SM by default); on a CPU
+    (at 64K-128K tokens on an H100 good attention kernels beat it by 7-13%: notebook 08's reference run).
+    On a GPU a Triton streaming sum (``programs`` contiguous slices, 4 per SM by default); on a CPU
     ``torch.sum`` (Triton's interpreter there would time Python, not memory)."""
     if not tensors or any(not t.is_contiguous() for t in tensors):
         raise ValueError("read_once takes one or more contiguous tensors")
