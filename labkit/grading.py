@@ -74,6 +74,29 @@ def check_raises(fn: Callable[[], object], error: type[BaseException], *, name: 
     _fail(name, f"應拋出 {error.__name__}，但沒有拋出任何錯誤。", hint)
 
 
+SPARE = 7.0   # what the extra rows of with_spare_rows hold
+
+
+def with_spare_rows(t: torch.Tensor, spare: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """A buffer holding t [R, ...] followed by ``spare`` rows of :data:`SPARE`: (the buffer, t's view in it).
+
+    A kernel handed the view that reads or writes past its R rows (the padded rows of its last tile, an
+    unmasked ``tl.store``) lands in the spare rows, where :func:`check_spare_rows` sees it, instead of in
+    memory it would corrupt: under Triton's interpreter such a store corrupts the process's heap, which
+    aborts (the notebook's kernel dies) before any check can say why.
+    """
+    room = torch.full((t.shape[0] + spare, *t.shape[1:]), SPARE, dtype=t.dtype, device=t.device)
+    room[:t.shape[0]] = t
+    return room, room[:t.shape[0]]
+
+
+def check_spare_rows(room: torch.Tensor, rows: int, *, name: str, hint: str) -> None:
+    """The rows of ``room`` (from :func:`with_spare_rows`) after its first ``rows`` still hold SPARE."""
+    written = (room[rows:] != SPARE).reshape(room.shape[0] - rows, -1).any(1)
+    check_true(not bool(written.any()), name=name, hint=hint,
+               detail=f"輸出之後的 {room.shape[0] - rows} 列備用列被寫了 {int(written.sum())} 列：有程式實例寫到輸出的範圍之外。")
+
+
 def passed(exercise: str) -> None:
     """Print the success line a test cell ends with."""
     print(f"✅ {exercise}：通過所有可見測試（visible tests）。")

@@ -253,3 +253,15 @@ def test_check_own_code_refuses_a_forbidden_function_under_another_name():
 def test_check_own_code_accepts_the_computation_written_out():
     G.check_own_code(softmax_by_hand, name="softmax", forbid=FORBID)
     G.check_own_code(softmax_by_function, name="softmax")  # nothing forbidden: only labkit is refused
+
+
+def test_spare_rows_catch_a_write_past_the_output_and_name_how_many():
+    """with_spare_rows hands out a view whose buffer continues with SPARE rows; check_spare_rows fails (in
+    Chinese, with the count) once anything past the output's rows changed, and passes when nothing did."""
+    room, view = lk.grading.with_spare_rows(torch.arange(6.0).reshape(3, 2), spare=4)
+    assert room.shape == (7, 2) and torch.equal(view, torch.arange(6.0).reshape(3, 2))
+    assert view.data_ptr() == room.data_ptr() and bool((room[3:] == lk.grading.SPARE).all())
+    lk.grading.check_spare_rows(room, 3, name="nothing past the output", hint="")
+    room.view(-1)[6:9] = 0.0                                  # a store of 3 elements past the 6 (rows 3 and 4)
+    with pytest.raises(AssertionError, match="被寫了 2 列"):
+        lk.grading.check_spare_rows(room, 3, name="padded rows", hint="mask the store")

@@ -6,6 +6,7 @@ SETUP = ['MODE = lk.tritonmode.setup()']
 # grade_id -> the rules its visible tests check
 RULES = {
     "ex1_softmax": [
+        "padded lanes not stored: one row of 50 launched by hand into an output followed by a spare row (first)",
         "launches softmax_kernel; no torch.softmax / F.softmax / labkit",
         "rows of 50: masked tail read as -inf",
         "logits in the hundreds: max subtracted (no overflow)",
@@ -15,6 +16,8 @@ RULES = {
         "_key_range alone: whole tiles unmasked, tail tile masked, causal tiles skipped, bottom-right alignment "
         "(N = N_k, N < N_k, N > N_k), no off-by-one at N = 63, N_k = 64",
         "_fwd_tile alone: acc and l rescaled, rows that saw no key stay 0 (no NaN), scores near 1e4",
+        "padded query rows not stored (o, lse): _fwd_kernel launched by hand into outputs followed by spare rows, "
+        "before any other forward",
         "forward vs fp64, in stages: whole tiles, a tail tile (N = 100), causal N = N_k, N < N_k, "
         "N > N_k (o = 0, lse = -inf, no NaN), N = 63 / N_k = 64",
         "bf16 in -> o bf16, lse fp32 [..., N]",
@@ -25,6 +28,8 @@ RULES = {
     "ex3_flash_backward": [
         "_query_range alone: query tiles before lo skipped, diagonal masked, bottom-right alignment, "
         "no off-by-one at N = 63, N_k = 64",
+        "padded rows not stored (delta, lse2, dK, dV, dQ): the three kernels launched by hand into outputs followed "
+        "by spare rows, before any other backward",
         "dV, then dK, then dQ vs fp64 autograd, in stages: whole tiles, a tail tile, causal N = N_k, N < N_k, "
         "N > N_k (no NaN), N = 63 / N_k = 64",
         "bf16 in -> bf16 gradients",
@@ -46,7 +51,10 @@ RULES = {
 }
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
-MISTAKES = {'ex1_softmax': [('no max subtraction', 'x = x - tl.max(x, axis=0)', 'x = x - 0.0'),
+MISTAKES = {'ex1_softmax': [('store unmasked (padding lanes written)',
+                             'tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=inside)',
+                             'tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty))'),
+                            ('no max subtraction', 'x = x - tl.max(x, axis=0)', 'x = x - 0.0'),
                  ('tail padded with 0', 'other=float("-inf")).to(tl.float32)', 'other=0.0).to(tl.float32)'),
                  ('PyTorch only',
                   'softmax_kernel[(x2.shape[0],)](x2, y, x2.shape[1], BLOCK=triton.next_power_of_2(x2.shape[1]))',
@@ -54,7 +62,10 @@ MISTAKES = {'ex1_softmax': [('no max subtraction', 'x = x - tl.max(x, axis=0)', 
                  ('kernel launched, torch.softmax returned', '    return y.reshape(x.shape)\n',
                   '    return torch.softmax(x.float(), dim=-1).to(x.dtype)\n'),
                  ('output in fp32', 'y = torch.empty_like(x2)', 'y = torch.empty_like(x2, dtype=torch.float32)')],
- 'ex2_flash_forward': [('causal tiles masked, not skipped',
+ 'ex2_flash_forward': [('o store unmasked (padded query rows written)', ', mask=offs_m[:, None] < N_Q)', ')'),
+                       ('lse store unmasked', 'tl.store(lse_ptr + bh * N_Q + offs_m, lse, mask=offs_m < N_Q)',
+                        'tl.store(lse_ptr + bh * N_Q + offs_m, lse)'),
+                       ('causal tiles masked, not skipped',
                         'hi = tl.minimum(N_K, start_m + BLOCK_M + shift)',
                         'hi = N_K + 0 * shift'),
                        ('hi off by one (drops a needed K tile)',
@@ -90,7 +101,15 @@ MISTAKES = {'ex1_softmax': [('no max subtraction', 'x = x - tl.max(x, axis=0)', 
                         'o_, lse_ = lk.attention.reference_attention(q3, k3, v3, causal=is_causal); o.copy_(o_); '
                         'lse.copy_(lse_)\n'
                         '    (lambda *a, **kw: None)(q3, k3, v3, o, lse, d ** -0.5 * LOG2E,')],
- 'ex3_flash_backward': [('missing D term in dS', 'dst = pt * (dpt - delta[None, :])', 'dst = pt * dpt'),
+ 'ex3_flash_backward': [('dQ store unmasked (padded query rows written)',
+                         'tl.store(dq_ptr + offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])',
+                         'tl.store(dq_ptr + offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty))'),
+                        ('dV store unmasked (padded keys written)',
+                         'tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=keys)',
+                         'tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty))'),
+                        ('D store unmasked', 'tl.store(delta_ptr + bh * N_Q + offs_m, tl.sum(o * do, axis=1), mask=rows)',
+                         'tl.store(delta_ptr + bh * N_Q + offs_m, tl.sum(o * do, axis=1))'),
+                        ('missing D term in dS', 'dst = pt * (dpt - delta[None, :])', 'dst = pt * dpt'),
                         ('dk without scale', '(dk * sm_scale).to(', 'dk.to('),
                         ('dK/dV causal mask aligned top-left',
                          'pt = tl.where(offs_n[:, None] <= offs_m[None, :] + (N_K - N_Q), pt, 0.0)',
