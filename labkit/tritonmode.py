@@ -224,7 +224,9 @@ def launches(module: str = "__main__") -> Iterator[collections.Counter]:
 
 @contextlib.contextmanager
 def loaded_elements() -> Iterator[collections.Counter]:
-    """Count the elements the interpreter loads (masked-off lanes excluded): ``counts["elements"]``.
+    """Count what the interpreter loads: ``counts["elements"]``, the elements read (masked-off lanes
+    excluded), and ``counts["lanes"]``, the lanes of every load issued, masked off or not: a loop over a
+    whole cache whose loads are masked down to one split reads few elements but issues many lanes.
 
     Only the interpreter can count (compiled kernels run on the GPU); raises in the compiled mode.
     """
@@ -237,6 +239,7 @@ def loaded_elements() -> Iterator[collections.Counter]:
 
     def masked_load(ptrs, mask, *args, **kwargs):
         counts["elements"] += int(mask.data.sum())
+        counts["lanes"] += int(mask.data.size)
         return original(ptrs, mask, *args, **kwargs)
 
     interpreter_builder.create_masked_load = masked_load

@@ -70,7 +70,7 @@ def test_launches_counts_kernels_of_the_given_module_only():
 def test_loaded_elements_counts_unmasked_lanes():
     with lk.tritonmode.loaded_elements() as count:
         _launch_add(n=1000, block=256)                     # 4 programs x 256 lanes, 1000 inside, x and y
-    assert count["elements"] == 2000
+    assert count["elements"] == 2000 and count["lanes"] == 2 * 4 * 256   # masked-off lanes issued, not read
     with lk.tritonmode.loaded_elements() as later:
         pass
     _launch_add()

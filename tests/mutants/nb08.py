@@ -26,7 +26,8 @@ RULES = {
                          "padded rows (g = 3 in 16) not written outside the partials",
                          "per-sequence lengths (0, shorter than a split, not a multiple of the block)",
                          "splits with no key: o = 0, lse = -inf, no NaN",
-                         "each split reads only its own keys (elements counted)",
+                         "each split reads only its own keys and loops over its own blocks only (elements and "
+                         "load lanes counted: no loop over the whole cache masked down to the split)",
                          "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
     "ex4_combine_kernel": ["merged o and lse equal attention over all keys (uneven splits, S = 1, S not a power of 2)",
                            "lse near +-1e4: no overflow (exp only of differences from the max)",
@@ -83,6 +84,11 @@ MISTAKES = {
         ("zero splits for an empty batch", "return max(1, min(fill, blocks))", "return min(fill, blocks)"),
         ("tail masked by the capacity N", "inside = offs_n < hi", "inside = offs_n < N"),
         ("every split starts at key 0", "lo = s * CHUNK", "lo = 0"),
+        ("loop over the whole cache, loads masked down to the split",
+         "for start in range(lo, hi, BLOCK_N):                                   # an empty range when hi <= lo\n"
+         "        offs_n = start + tl.arange(0, BLOCK_N)\n        inside = offs_n < hi\n",
+         "for start in range(0, N, BLOCK_N):\n"
+         "        offs_n = start + tl.arange(0, BLOCK_N)\n        inside = (offs_n >= lo) & (offs_n < hi)\n"),
         ("sequence length ignored", "hi = tl.minimum(lo + CHUNK, n_b)", "hi = tl.minimum(lo + CHUNK, N)"),
         ("partials stored without the split index", "part = (b * H_KV * G + heads) * S + s", "part = (b * H_KV * G + heads) * S"),
         ("partials stored without the row mask", "o, mask=row_ok[:, None])", "o)"),
