@@ -9,10 +9,7 @@ then sees the numbers the written questions ask about, and knows whose they are.
 The reference run is made by one command on a GPU machine (``make reference``: ``make execute``,
 then :func:`build` from the executed copies); it writes ``labkit/reference_runs/NN_slug.json``
 (one per notebook): the run's facts and, for every code cell whose source calls ``gpu_only``, its
-outputs (text, HTML tables, PNG figures). A cell whose stored outputs come from another run than the
-notebook's (a later run of that cell alone, or a run of an earlier version of it) says so in
-``cell_runs[cell_id]``: that run's own device, date and versions where they differ, and ``how``, one
-sentence (Chinese, shown to students) on how that run differs from executing the notebook as it is.
+outputs (text, HTML tables, PNG figures).
 
 Used in: notebooks 01-07 (GPU-only cells), the Makefile (``reference``), ``tests/test_reference.py``.
 """
@@ -101,9 +98,8 @@ def load(notebook: str) -> dict | None:
 
 def heading(run: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
-    how = f"\n{run['how']}" if run.get("how") else ""
     return (f"📎 課程參考執行（course reference run），不是你的機器量到的：{run['device']}，{run['date']}；{versions}。"
-            "這些數字來自課程作者在該 GPU 上執行同一個儲存格的結果。" + how)
+            "這些數字來自課程作者在該 GPU 上執行同一個儲存格的結果。")
 
 
 def show(notebook: str, cell_id: str) -> None:
@@ -115,7 +111,7 @@ def show(notebook: str, cell_id: str) -> None:
     if not outputs:
         print(f"（這個儲存格還沒有收錄課程參考執行的結果（{notebook} / {cell_id}）：這一格的數字要在 CUDA GPU 上執行才看得到。）")
         return
-    print(heading({**run, **run.get("cell_runs", {}).get(cell_id, {})}))
+    print(heading(run))
     for output in outputs:
         if "text" in output:
             print(output["text"], end="" if output["text"].endswith("\n") else "\n")

@@ -95,9 +95,3 @@ def test_show_labels_the_run_and_prints_what_the_cell_printed(tmp_path, monkeypa
     assert "課程參考執行" in out and "H100" in out and "2026-11-25" in out and "N=1024: 1.5 ms" in out
     reference.show("99_x", "cell-missing")
     assert "還沒有收錄課程參考執行的結果" in capsys.readouterr().out
-    run["cell_runs"] = {gpu_id: {"date": "2026-11-26", "versions": {"torch": "2.11.0", "triton": "3.6.0"},
-                                 "how": "以腳本執行這一格的程式碼。"}}
-    (tmp_path / "99_x.json").write_text(json.dumps(run))
-    reference.show("99_x", gpu_id)
-    out = capsys.readouterr().out
-    assert "2026-11-26" in out and "triton 3.6.0" in out and "以腳本執行這一格的程式碼。" in out and "H100" in out
