@@ -15,8 +15,10 @@ student's code, never an answer:
   dispatch: microseconds per kernel) is not what a kernel of microseconds is compared by.
   :func:`layered` puts :data:`LAYERS` calls in one graph, as a model's decode step has one attention per
   layer, on :func:`caches_for` distinct caches so none is read from L2.
-- :func:`read_once`: a kernel that only reads the cache, once: the fastest any decode kernel can be at
-  that size, timed the same way.
+- :func:`time_per_call`: the notebook's timing of decode calls: graphs of :data:`LAYERS` calls, L2 flushed by
+  a read, milliseconds per call.
+- :func:`read_once`: a kernel that only reads the cache, once: what reading alone reaches at that size,
+  timed the same way (a reference, not a bound).
 - :func:`fa4_num_splits`: the ``num_splits`` FA4 takes on this GPU (its split-KV path needs Blackwell).
 - :func:`page_table`: per-sequence page lists as the padded int32 table a paged kernel reads.
 - :func:`write_kv`: new tokens' K/V scattered into the pages at the slots an allocator returned.
@@ -141,8 +143,8 @@ def yardsticks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv: int, d: int,
                       dtype: torch.dtype, device, target_ms: float = 20.0, fa4: bool = True,
                       cuda_graph: bool | None = None) -> pd.DataFrame:
-    """Time one decode step (query length 1) of each SDPA backend, FA4 and :func:`read_once` (the limit: a
-    kernel that only reads the cache) over context and batch.
+    """Time one decode step (query length 1) of each SDPA backend, FA4 and :func:`read_once` (a kernel that
+    only reads the cache) over context and batch, with :func:`time_per_call`.
 
     Args:
         contexts: context lengths N (keys per sequence).
@@ -153,9 +155,8 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
             L2, and a loop of one call would read it from there, faster than any decode step of a real
             model does).
         fa4: also time ``flash_attn.cute.flash_attn_func`` where it imports (:func:`yardsticks`).
-        cuda_graph: time replays of CUDA graphs, each of :data:`LAYERS` calls on :func:`caches_for` distinct
-            caches (:func:`layered`, :func:`graphed`), a call's time being the replay's over ``LAYERS``
-            (default: on a GPU); else each call launched from Python, one at a time.
+        cuda_graph: time replays of CUDA graphs of :data:`LAYERS` calls on :func:`caches_for` distinct caches
+            (default: on a GPU); else each call launched from Python, one at a time (:func:`time_per_call`).
 
     Returns:
         One row per (B, N, backend): ``ms`` (median per call), ``gb_per_s`` = :func:`tensor_bytes` of q,
@@ -178,19 +179,16 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
                 per_cache.append({**yardsticks(q, k, v, backends), READ_ONLY: read_once(k, v)})
             with warnings.catch_warnings():  # a forced backend that cannot take the input says why, then raises
                 warnings.simplefilter("ignore", UserWarning)
-                calls, errors = graphed(layered(per_cache, layers), device) if use_graph else (per_cache[0], {})
-                timings, failed = measure.time_interleaved(calls, device=device, target_ms=target_ms, flush_l2=True,
-                                                           flush_by="read", errors=RUN_ERRORS)
-            errors.update(failed)
+                per_call, errors = time_per_call(per_cache, device, target_ms=target_ms, graph=use_graph)
             for name in per_cache[0]:
-                ok = name in timings
-                ms = timings[name].median_ms / layers if ok else float("nan")
+                ok = name in per_call
+                ms = per_call[name] if ok else float("nan")
                 rows.append(dict(backend=name, B=b, N=n, h_q=h_q, h_kv=h_kv, d=d, dtype=str(dtype).split(".")[-1],
                                  bytes=moved, ms=ms, gb_per_s=moved / (ms * 1e-3) / 1e9 if ok else float("nan"),
                                  status="ok" if ok else bench.failure_status(errors[name]),
                                  timed="cuda graph" if use_graph else "eager", calls_per_replay=layers,
                                  device=device.type))
-            del per_cache, calls, errors, timings, failed
+            del per_cache, errors
             if device.type == "cuda":
                 torch.cuda.empty_cache()                     # the graphs' pools and caches of this shape back
     return pd.DataFrame(rows)
@@ -329,6 +327,30 @@ def graphed(fns: dict[str, Callable[[], object]], device) -> tuple[dict[str, Cal
         except RuntimeError as err:                   # torch's AcceleratorError and FA4's CUDA errors among them
             errors[name] = err.with_traceback(None)   # its frames would keep the failed graph's memory alive
     return replays, errors
+
+
+def time_per_call(per_cache: list[dict[str, Callable[[], object]]], device, *, target_ms: float,
+                  graph: bool | None = None, eager: dict[str, Callable[[], object]] | None = None,
+                  ) -> tuple[dict[str, float], dict[str, BaseException]]:
+    """Median milliseconds per call of each name of ``per_cache`` (the same calls on each of several caches,
+    :func:`caches_for` of them), timed in turns (:func:`labkit.measure.time_interleaved`).
+
+    With ``graph`` (default: on a GPU): each name's :data:`LAYERS` calls cycling the caches captured in one CUDA
+    graph (:func:`layered`, :func:`graphed`), L2 flushed by a read before each replay, a replay's time over
+    ``LAYERS``. Without: the calls on the first cache launched from Python, one at a time. ``eager``: more calls
+    timed in the same turns as they are, each doing what one replay does (``LAYERS`` calls; divided alike).
+
+    Returns (name -> ms per call; name -> the error of a call that could not run or be captured).
+    """
+    device = torch.device(device)
+    graph = device.type == "cuda" if graph is None else graph
+    layers = LAYERS if graph else 1
+    calls, errors = graphed(layered(per_cache, layers), device) if graph else (dict(per_cache[0]), {})
+    calls.update(eager or {})
+    timings, failed = measure.time_interleaved(calls, device=device, target_ms=target_ms, flush_l2=True,
+                                               flush_by="read", errors=RUN_ERRORS)
+    errors.update(failed)
+    return {name: t.median_ms / layers for name, t in timings.items()}, errors
 
 
 def _in_turn(calls: list[Callable[[], object]]):
