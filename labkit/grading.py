@@ -57,6 +57,31 @@ def check_scalar(actual, expected: float, *, name: str, rel: float = 1e-6, abs_t
         _fail(name, f"應為 {expected:.6g}，卻得到 {float(actual):.6g}。", hint)
 
 
+def check_within_2x(actual, reference: torch.Tensor, baseline: torch.Tensor, *, name: str, rule: str,
+                    hint: str = "", floor: float = 0.0) -> None:
+    """The course's 2x rule: max|actual - reference| <= 2 * max|baseline - reference| (+ ``floor``).
+
+    Args:
+        actual: the student's result, computed from low-precision (bf16/fp16) inputs; any shape.
+        reference: the same result from those inputs upcast to fp32/float64 (the exact answer), same shape.
+        baseline: the plain low-precision computation (what PyTorch gives in that dtype), same shape.
+        rule: the precision rule the prose states (say, "softmax 統計量（max、sum、lse）以 fp32 保存"),
+            named in the message so a failure says which rule and its likely cause.
+        floor: an absolute slack for results whose baseline error is ~0 (exactly representable values).
+    """
+    if not isinstance(actual, torch.Tensor):
+        _fail(name, f"應回傳 torch.Tensor，卻得到 {type(actual).__name__}。", hint)
+    if tuple(actual.shape) != tuple(reference.shape):
+        _fail(name, f"形狀（shape）應為 {tuple(reference.shape)}，卻得到 {tuple(actual.shape)}。", hint)
+    ref = reference.detach().double().cpu()
+    err = float((actual.detach().double().cpu() - ref).abs().nan_to_num(nan=math.inf).max())
+    base = float((baseline.detach().double().cpu() - ref).abs().max())
+    if not err <= 2 * base + floor:
+        _fail(name, f"低精度輸入（{actual.dtype}）下的誤差 {err:.3g} 超過 2 倍規則：同精度的 PyTorch 基準誤差為 "
+                    f"{base:.3g}，容許 {2 * base + floor:.3g}。違反的精度規則：{rule}。",
+              hint or "統計量與累加器是否留在低精度？先用 .float() 升到 fp32 再計算，最後才轉回輸入的 dtype。")
+
+
 def check_true(condition: bool, *, name: str, detail: str, hint: str = "") -> None:
     """``condition`` holds; otherwise fail with ``detail``."""
     if not condition:

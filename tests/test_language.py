@@ -74,3 +74,48 @@ def test_time_estimates_agree_between_readme_and_each_notebook():
         line = next(ln for ln in stated.splitlines() if "預估時間" in ln) if stated else ""
         assert line, f"{path.stem}: no 預估時間 line in its first cells"
         assert _estimate(line) == _estimate(row[1]), f"{path.stem}: notebook says {line!r}, README {row[1].strip()!r}"
+
+
+# English terms a reader meets in the prose: at the first use in each notebook, a Chinese gloss stands
+# beside it, either "中文（term）" (the term, maybe after other words, inside parentheses after Chinese)
+# or "term（中文）". Inline code (`...`) is not prose and is skipped.
+GLOSSED = ("wheel", "JIT", "CuTe DSL", "TMA", "warp", "SM", "CUTLASS", "local memory", "CUDA events", "rank",
+           "NCCL", "FSDP", "all-reduce", "CUDA graph", "eager", "token")
+_CJK = "\u4e00-\u9fff"
+_BEFORE = re.compile(rf"[{_CJK}]\s*[（(][^（()）\n]{{0,60}}$")
+_AFTER = re.compile(rf"^s?\s*[（(]\s*[{_CJK}]")
+
+
+def prose(path: Path) -> str:
+    """The markdown cells of a notebook, inline code blanked out."""
+    import json
+
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return re.sub(r"`[^`\n]*`", lambda m: " " * len(m[0]), text)
+
+
+def unglossed(text: str) -> list[str]:
+    """Terms of GLOSSED whose first use in ``text`` has no Chinese gloss beside it."""
+    missing = []
+    for term in GLOSSED:
+        m = re.search(rf"(?<![A-Za-z_-]){re.escape(term)}(?=s?(?![A-Za-z_]))", text)
+        if m and not (_BEFORE.search(text[max(0, m.start() - 80):m.start()]) or _AFTER.match(text[m.end():])):
+            missing.append(f"{term}: …{text[max(0, m.start() - 20):m.end() + 20]}…".replace("\n", " "))
+    return missing
+
+
+SOLUTIONS = sorted(ROOT.glob("solutions/*/*.ipynb"))
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_english_terms_are_glossed_at_first_use(path):
+    found = unglossed(prose(path))
+    assert not found, f"{path.stem}: gloss these at their first use in the notebook: {found}"
+
+
+def test_the_gloss_check_catches_what_it_is_for():
+    assert unglossed("用 CUDA graph 重播") and unglossed("每個 warp 有 32 條執行緒")
+    assert not unglossed("CUDA 圖（CUDA graph）重播；之後的 CUDA graph 不必再註解")
+    assert not unglossed("token（詞元）") and not unglossed("集合通訊（NCCL、all-reduce）")
+    assert not unglossed("`warp` 只是程式碼")
