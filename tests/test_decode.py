@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import decode
+from labkit import decode, readbw
 
 
 class ListAllocator:
@@ -296,7 +296,7 @@ def test_read_once_reads_every_element_and_refuses_what_it_cannot_stream():
     device = "cuda" if torch.cuda.is_available() else "cpu"                # the interpreter runs it on a CPU
     x, sums = torch.arange(10_000, dtype=torch.float32, device=device), torch.full((3,), float("nan"), device=device)
     per = -(-x.numel() // 3 // 512) * 512                                 # 3584: the last slice is short
-    decode._read_kernel[(3,)](x, sums, x.numel(), per, BLOCK=512)
+    readbw._read_kernel[(3,)](x, sums, x.numel(), per, BLOCK=512)
     assert sums.tolist() == [x[i * per:(i + 1) * per].sum().item() for i in range(3)]
 
 
@@ -334,7 +334,7 @@ def test_a_call_that_breaks_its_capture_is_reported_and_the_next_one_still_repla
     """In a process of its own: a failed capture leaves CUDA's default generator unusable for the rest."""
     code = """
 import torch
-from labkit import decode
+from labkit import decode, readbw
 x = torch.ones(4, device="cuda")
 replays, errors = decode.graphed({"syncs": lambda: x.sum().item(), "fine": lambda: x * 2}, "cuda")
 assert set(errors) == {"syncs"} and set(replays) == {"fine"}, (errors, replays)

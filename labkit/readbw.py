@@ -1,0 +1,98 @@
+"""Read-only memory bandwidth: the ceiling of a kernel that only reads, and a read-only reference call.
+
+Copy bandwidth (:func:`labkit.bench.copy_bandwidth`) counts a read and a write of every byte; the memory
+turns the bus around between them, so a stream that only reads (a decode step reads its K/V cache and
+writes a few KB) goes faster than a copy. Against copy bandwidth a good decode kernel can show more than
+100%, which says the roof was the wrong one, not that the kernel beat the hardware:
+
+- :func:`read_bandwidth`: the measured read ceiling. One launch of a streaming sum over a buffer far
+  larger than L2, tuned: wide vector loads, several programs per SM in flight, the best of
+  :data:`READ_CONFIGS`. Bytes read / time.
+- :func:`read_once`: the same kernel (the best config found on this device) over given tensors, one launch
+  each plus a total: what reading exactly these bytes reaches at their size (fixed costs included), a
+  reference row beside the kernels, not a bound.
+
+On a CPU both use ``torch.sum`` (Triton's interpreter would time Python, not memory).
+
+Used in: 08_decode_attention (through ``lk.decode``), the board.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from . import measure
+
+READ_ONLY = "read only"   # the name of read_once's row or column
+# (elements per load step, warps, programs per SM): bf16, so 8192 elements = 16 KB per step and program
+READ_CONFIGS = [(4096, 4, 4), (8192, 8, 4), (8192, 8, 8), (16384, 8, 4), (16384, 16, 2), (32768, 16, 2)]
+_best: dict[int, tuple[int, int, int]] = {}   # device index -> the fastest READ_CONFIGS entry found there
+
+
+@triton.jit
+def _read_kernel(x_ptr, sums_ptr, n, per_program, BLOCK: tl.constexpr):
+    """Program p sums elements [p * per_program, min((p + 1) * per_program, n)) of x into sums[p] (fp32)."""
+    p = tl.program_id(0).to(tl.int64)
+    lo = p * per_program
+    hi = tl.minimum(lo + per_program, n)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < hi, other=0.0).to(tl.float32)
+    tl.store(sums_ptr + p, tl.sum(acc, 0))
+
+
+def _sum_call(x: torch.Tensor, sums: torch.Tensor, config: tuple[int, int, int]) -> Callable[[], None]:
+    """One launch of :func:`_read_kernel` over x (1-D view) into sums [programs] with ``config``."""
+    block, warps, _ = config
+    programs = sums.numel()
+    per = -(-x.numel() // programs // block) * block
+    return lambda: _read_kernel[(programs,)](x, sums, x.numel(), per, BLOCK=block, num_warps=warps)
+
+
+def _programs(device: torch.device, config: tuple[int, int, int]) -> int:
+    return config[2] * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def read_bandwidth(*, device=None, mib: int = 1024, target_ms: float = 50.0) -> float:
+    """Measured read-only bandwidth in bytes/s (reads only counted): the fastest of :data:`READ_CONFIGS`
+    streaming once over a ``mib`` MiB bf16 buffer (far larger than L2 at the default 1 GiB), one launch a
+    call. The winning config is kept for :func:`read_once` on this device. CPU: ``torch.sum`` over it."""
+    if mib < 1:
+        raise ValueError(f"mib must be at least 1, got {mib}")
+    device = measure.as_device(device)
+    x = torch.ones(mib * 2**19, dtype=torch.bfloat16, device=device)
+    if device.type != "cuda":
+        t = measure.time_fn(lambda: x.sum(dtype=torch.float32), device=device, target_ms=target_ms)
+        return x.numel() * x.element_size() / (t.median_ms * 1e-3)
+    calls = {config: _sum_call(x, torch.empty(_programs(device, config), device=device), config)
+             for config in READ_CONFIGS}
+    timings, _ = measure.time_interleaved(calls, device=device, target_ms=target_ms)
+    best = min(timings, key=lambda config: timings[config].median_ms)
+    _best[device.index or 0] = best
+    return x.numel() * x.element_size() / (timings[best].median_ms * 1e-3)
+
+
+def read_once(*tensors: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A call that reads every element of ``tensors`` once and returns their total (fp32, a 0-d tensor): what
+    reading the same bytes and computing nothing reaches at that size, timed the same way as the kernels.
+    A reference, not a bound: one launch per tensor and one for the total (the fixed costs of short reads
+    show in it); :func:`read_bandwidth` is the ceiling. On a GPU, :func:`read_bandwidth`'s best config on
+    this device (a default before it has run); on a CPU ``torch.sum``."""
+    if not tensors or any(not t.is_contiguous() for t in tensors):
+        raise ValueError("read_once takes one or more contiguous tensors")
+    device = tensors[0].device
+    if device.type != "cuda":
+        return lambda: sum(t.sum(dtype=torch.float32) for t in tensors)
+    config = _best.get(device.index or 0, READ_CONFIGS[1])
+    sums = torch.empty(len(tensors), _programs(device, config), dtype=torch.float32, device=device)
+    launches = [_sum_call(t.view(-1), row, config) for t, row in zip(tensors, sums)]
+
+    def run():
+        for launch in launches:
+            launch()
+        return sums.sum()
+    return run
