@@ -127,6 +127,26 @@ def passed(exercise: str) -> None:
     print(f"✅ {exercise}：通過所有可見測試（visible tests）。")
 
 
+def answered(needs: dict[str, Callable[[], object]]) -> bool:
+    """True when every exercise a later cell uses has an answer; else print one line naming those to finish.
+
+    ``needs``: exercise label ("練習 2") -> a call of its answer on a tiny input. A call that raises
+    ``NotImplementedError`` (the blank release) marks the exercise unfinished; other errors propagate.
+    Cells run their body under ``if lk.grading.answered({...}):``, so a blank answer gives one line, not a traceback.
+
+    Used in: 04_performance_analysis, 05_precision_analysis.
+    """
+    todo = []
+    for label, call in needs.items():
+        try:
+            call()
+        except NotImplementedError:
+            todo.append(label)
+    if todo:
+        print(f"先完成{'、'.join(todo)}，再執行這一格：它用到{'這些練習' if len(todo) > 1 else '這個練習'}的答案。")
+    return not todo
+
+
 def check_own_code(fn: Callable, *, name: str, forbid: tuple = ()) -> None:
     """``fn`` is the student's own code: it calls no labkit, nor the library functions in ``forbid``.
 

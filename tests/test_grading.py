@@ -117,6 +117,18 @@ def test_passed(capsys):
     assert "練習 1" in out and "通過" in out
 
 
+def test_answered_names_the_blank_exercises_in_one_line(capsys):
+    def blank():
+        raise NotImplementedError
+
+    assert G.answered({"練習 1": lambda: 1, "練習 2": lambda: 2}) and capsys.readouterr().out == ""
+    assert not G.answered({"練習 1": lambda: 1, "練習 2": blank, "練習 3": blank})
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "練習 2、練習 3" in out and "練習 1" not in out
+    with pytest.raises(ZeroDivisionError):  # a wrong answer still shows its error
+        G.answered({"練習 1": lambda: 1 / 0})
+
+
 # ----------------------------------------------------------------------------- check_own_code
 
 def calls_lk(q, k, v):
