@@ -9,6 +9,7 @@ RULES = {'ex1_merge': ['o and lse equal attention over all keys (even and uneven
                'rows with no visible key on either side: o = 0, lse = -inf, no NaN',
                'rows with keys on one side only: that side\'s o and lse',
                "o in o1's dtype; lse float64 for float64 inputs, fp32 for bf16 o (never o's dtype)",
+               'bf16 and fp16 partials: lse within 2x of the CPU flash kernel\'s error (fp32 statistics), o rounded once',
                'no labkit in the answer'],
  'ex2_zigzag': ['a list of P lists of two chunk indices',
                 'chunks 0..2P-1 each on exactly one device',
@@ -37,7 +38,17 @@ MISTAKES = {'ex1_merge': [('plain average, no rescale',
                ("o not cast back to o1's dtype", 'return o.to(o1.dtype), lse', 'return o, lse'),
                ("accumulation in o's dtype",
                 'acc = torch.promote_types(torch.promote_types(lse1.dtype, o1.dtype), torch.float32)',
-                'acc = o1.dtype')],
+                'acc = o1.dtype'),
+               ("merge computed in o's dtype (bf16), lse handed back as fp32",
+                'acc = torch.promote_types(torch.promote_types(lse1.dtype, o1.dtype), torch.float32)\n'
+                '    lse1, lse2 = lse1.to(acc), lse2.to(acc)\n'
+                '    lse = torch.logaddexp(lse1, lse2)',
+                'acc = o1.dtype\n'
+                '    lse1, lse2 = lse1.to(acc), lse2.to(acc)\n'
+                '    lse = torch.logaddexp(lse1, lse2).to(torch.promote_types(lse1.dtype, torch.float32))'),
+               ("weighted sum of o in o's dtype (weights cast down)",
+                'o = w1 * o1.to(acc) + w2 * o2.to(acc)',
+                'o = w1.to(o1.dtype) * o1 + w2.to(o1.dtype) * o2')],
  'ex2_zigzag': [('round-robin instead of head-tail',
                  '[[i, 2 * P - 1 - i] for i in range(P)]',
                  '[[i, i + P] for i in range(P)]'),
