@@ -6,8 +6,8 @@ writes a few KB) goes faster than a copy. Against copy bandwidth a good decode k
 100%, which says the roof was the wrong one, not that the kernel beat the hardware:
 
 - :func:`read_bandwidth`: the measured read ceiling. One launch of a streaming sum over a buffer far
-  larger than L2, tuned: wide vector loads, several programs per SM in flight, the best of
-  :data:`READ_CONFIGS`. Bytes read / time.
+  larger than L2, tuned: several vector loads in flight per thread, several programs per SM, the best of
+  :data:`READ_CONFIGS`, timed as the decode kernels are. Bytes read / time.
 - :func:`read_once`: the same kernel (the best config found on this device) over given tensors, one launch
   each plus a total: what reading exactly these bytes reaches at their size (fixed costs included), a
   reference row beside the kernels, not a bound.
@@ -24,56 +24,67 @@ import torch
 import triton
 import triton.language as tl
 
-from . import measure
+from . import graphtime, measure
 
 READ_ONLY = "read only"   # the name of read_once's row or column
-# (elements per load step, warps, programs per SM): bf16, so 8192 elements = 16 KB per step and program
-READ_CONFIGS = [(4096, 4, 4), (8192, 8, 4), (8192, 8, 8), (16384, 8, 4), (16384, 16, 2), (32768, 16, 2)]
-_best: dict[int, tuple[int, int, int]] = {}   # device index -> the fastest READ_CONFIGS entry found there
+# (elements per load, loads in flight per step, warps, programs per SM); bf16: 4096 elements = 8 KB a load
+# (on an H200 the first two reached 4.55 TB/s over 4-8 GiB, timed as the decode kernels are; a loop with
+# one load per step reached 3.8; eviction hints and .cg loads changed nothing)
+READ_CONFIGS = [(1024, 8, 4, 32), (1024, 4, 4, 32), (1024, 8, 4, 16), (2048, 8, 4, 8), (8192, 2, 8, 4),
+                (512, 16, 2, 16)]
+_best: dict[int, tuple[int, int, int, int]] = {}   # device index -> the fastest READ_CONFIGS entry found there
 
 
 @triton.jit
-def _read_kernel(x_ptr, sums_ptr, n, per_program, BLOCK: tl.constexpr):
-    """Program p sums elements [p * per_program, min((p + 1) * per_program, n)) of x into sums[p] (fp32)."""
+def _read_kernel(x_ptr, sums_ptr, n, per_program, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+    """Program p sums elements [p * per_program, min((p + 1) * per_program, n)) of x into sums[p] (fp32),
+    UNROLL independent loads of BLOCK elements in flight per step (a plain loop waits for each load)."""
     p = tl.program_id(0).to(tl.int64)
     lo = p * per_program
     hi = tl.minimum(lo + per_program, n)
     acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += tl.load(x_ptr + offs, mask=offs < hi, other=0.0).to(tl.float32)
+    for start in range(lo, hi, BLOCK * UNROLL):
+        for u in tl.static_range(UNROLL):
+            offs = start + u * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(x_ptr + offs, mask=offs < hi, other=0.0).to(tl.float32)
     tl.store(sums_ptr + p, tl.sum(acc, 0))
 
 
-def _sum_call(x: torch.Tensor, sums: torch.Tensor, config: tuple[int, int, int]) -> Callable[[], None]:
+def _sum_call(x: torch.Tensor, sums: torch.Tensor, config: tuple[int, int, int, int]) -> Callable[[], None]:
     """One launch of :func:`_read_kernel` over x (1-D view) into sums [programs] with ``config``."""
-    block, warps, _ = config
+    block, unroll, warps, _ = config
     programs = sums.numel()
     per = -(-x.numel() // programs // block) * block
-    return lambda: _read_kernel[(programs,)](x, sums, x.numel(), per, BLOCK=block, num_warps=warps)
+    return lambda: _read_kernel[(programs,)](x, sums, x.numel(), per, BLOCK=block, UNROLL=unroll, num_warps=warps)
 
 
-def _programs(device: torch.device, config: tuple[int, int, int]) -> int:
-    return config[2] * torch.cuda.get_device_properties(device).multi_processor_count
+def _programs(device: torch.device, config: tuple[int, int, int, int]) -> int:
+    return config[3] * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def read_bandwidth(*, device=None, mib: int = 1024, target_ms: float = 50.0) -> float:
+def read_bandwidth(*, device=None, mib: int | None = None, target_ms: float = 50.0) -> float:
     """Measured read-only bandwidth in bytes/s (reads only counted): the fastest of :data:`READ_CONFIGS`
-    streaming once over a ``mib`` MiB bf16 buffer (far larger than L2 at the default 1 GiB), one launch a
-    call. The winning config is kept for :func:`read_once` on this device. CPU: ``torch.sum`` over it."""
+    streaming over a ``mib`` MiB bf16 buffer (default: 8 GiB, or a quarter of the free GPU memory if less),
+    timed as the decode kernels are (:func:`labkit.graphtime.time_per_call`: graphs of LAYERS launches, L2
+    flushed by a read), so fixed costs weigh alike. The winning config is kept for :func:`read_once` on this
+    device. CPU: ``torch.sum`` over a ``mib`` (default 64) MiB buffer."""
+    device = measure.as_device(device)
+    if mib is None:
+        mib = 64 if device.type != "cuda" else min(8192, torch.cuda.mem_get_info(device)[0] // 4 // 2**20)
     if mib < 1:
         raise ValueError(f"mib must be at least 1, got {mib}")
-    device = measure.as_device(device)
     x = torch.ones(mib * 2**19, dtype=torch.bfloat16, device=device)
     if device.type != "cuda":
         t = measure.time_fn(lambda: x.sum(dtype=torch.float32), device=device, target_ms=target_ms)
         return x.numel() * x.element_size() / (t.median_ms * 1e-3)
     calls = {config: _sum_call(x, torch.empty(_programs(device, config), device=device), config)
              for config in READ_CONFIGS}
-    timings, _ = measure.time_interleaved(calls, device=device, target_ms=target_ms)
-    best = min(timings, key=lambda config: timings[config].median_ms)
+    per_call, _ = graphtime.time_per_call([calls], device, target_ms=target_ms)
+    best = min(per_call, key=per_call.get)
     _best[device.index or 0] = best
-    return x.numel() * x.element_size() / (timings[best].median_ms * 1e-3)
+    del calls
+    graphtime.release(device)
+    return x.numel() * x.element_size() / (per_call[best] * 1e-3)
 
 
 def read_once(*tensors: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -18,9 +18,9 @@ def test_every_read_config_covers_every_element_once():
     on a CPU): the ceiling times a read of every byte, no fewer."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.arange(70_001, dtype=torch.float32, device=device)
-    for block, warps, _ in readbw.READ_CONFIGS[:2]:
+    for block, unroll, warps, _ in readbw.READ_CONFIGS[:3]:
         sums = torch.full((5,), float("nan"), device=device)
-        readbw._sum_call(x, sums, (block, warps, 1))()
+        readbw._sum_call(x, sums, (block, unroll, warps, 1))()
         assert sums.sum().item() == pytest.approx(x.sum().item(), rel=1e-6)
 
 
