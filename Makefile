@@ -48,8 +48,8 @@ doctor: setup         ## which attention backends run here
 bench: setup          ## attention sweep to build/bench/
 	$(PY) -m labkit bench --out build/bench
 
-execute: setup        ## run every solution notebook on this device: build/execute/ (copies, summary.md)
-	HF_HUB_OFFLINE=1 $(PY) -m labkit execute --out build/execute
+execute: setup        ## run every solution notebook on this device: build/execute/ (copies, summary.md); GPU_MEMORY_GB=8 as on an 8 GB card
+	HF_HUB_OFFLINE=1 $(if $(GPU_MEMORY_GB),LABKIT_GPU_MEMORY_GB=$(GPU_MEMORY_GB)) $(PY) -m labkit execute --out build/execute
 
 reference: execute    ## on a GPU machine: store the GPU-only cells' outputs, shown to readers without a GPU
 	$(PY) -m labkit reference --from build/execute

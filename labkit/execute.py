@@ -192,6 +192,8 @@ def write_summary(runs: list[NotebookRun], out: Path, *, profile: str) -> Path:
 
     info = env.device_info()
     device = f"{info.name} (sm{info.sm}, {info.memory_gib:.0f} GiB)" if info.device == "cuda" else f"CPU ({info.name})"
+    if info.device == "cuda" and os.environ.get("LABKIT_GPU_MEMORY_GB"):
+        device += f", capped at {os.environ['LABKIT_GPU_MEMORY_GB']} GB (LABKIT_GPU_MEMORY_GB)"
     total = sum(r.seconds for r in runs)
     lines = ["# Lab-1.5: executed notebooks", "",
              f"- device: {device}; torch {torch.__version__}, CUDA {torch.version.cuda or '-'}; profile: {profile}",
