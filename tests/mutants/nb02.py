@@ -15,6 +15,7 @@ RULES = {
         "fully masked rows give 0, not NaN",
         "scores in the thousands do not overflow (max subtracted)",
         "output dtype follows value (bf16 in, bf16 out)",
+        "precision rule: scores and softmax in fp32 for bf16/fp16 inputs (2x rule against float64, large scores)",
     ],
     "ex2_register": [
         "returns name",
@@ -66,6 +67,15 @@ MISTAKES = {
         ("output left in fp32", "out = probs.to(value.dtype) @ value", "out = probs @ value.float()"),
         ("mask polarity inverted", 'scores = torch.where(keep, scores, float("-inf"))',
          'scores = torch.where(keep, float("-inf"), scores)'),
+        ("scores rounded to bf16 before the fp32 softmax", "(query.to(acc) @ key.to(acc).transpose(-2, -1))",
+         "(query @ key.transpose(-2, -1)).to(acc)"),
+        ("scores and softmax in the input dtype", "scores = (query.to(acc) @ key.to(acc).transpose(-2, -1)) * scale",
+         "scores = (query @ key.transpose(-2, -1)) * scale"),
+        ("scores cast to value.dtype before the softmax", "torch.softmax(scores, dim=-1).nan_to_num(0.0)",
+         "torch.softmax(scores.to(value.dtype), dim=-1).nan_to_num(0.0)"),
+        ("own softmax with bf16 max and sum", "probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)",
+         "low = scores.to(value.dtype)\n    e = (low - low.amax(-1, keepdim=True)).exp()\n"
+         "    probs = (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)"),
     ],
     "ex2_register": [
         ("mask function not registered", "    AttentionMaskInterface.register(name, sdpa_mask)\n", ""),
