@@ -23,6 +23,7 @@ RULES = {
     "ex3_roofline": [
         "roof = min(peak, I·bandwidth/1e12) in TFLOP/s",
         "elementwise on numpy arrays and pandas Series",
+        "returns a numpy array (a number for a number), not a torch tensor or a list (the roofline cell compares it with a Series)",
         "'memory' below the ridge peak/bandwidth, 'compute' at and above it",
         "no labkit",
     ],
@@ -64,6 +65,12 @@ MISTAKES = {
         ("maximum instead of minimum", "np.minimum(", "np.maximum("),
         ("ridge inverted (bandwidth / peak)", "peak_tflops * 1e12 / bandwidth", "bandwidth / (peak_tflops * 1e12)"),
         ("ridge mixes TFLOP/s and bytes/s", "peak_tflops * 1e12 / bandwidth", "peak_tflops / bandwidth"),
+        ("torch tensor returned (torch.minimum)", "np.minimum(peak_tflops, np.asarray(intensity, dtype=float) * bandwidth / 1e12)",
+         "torch.minimum(torch.tensor(peak_tflops), torch.as_tensor(np.asarray(intensity, dtype=float)) * bandwidth / 1e12)"),
+        ("torch tensor returned (torch.clamp)", "np.minimum(peak_tflops, np.asarray(intensity, dtype=float) * bandwidth / 1e12)",
+         "torch.clamp(torch.as_tensor(np.asarray(intensity, dtype=float)) * bandwidth / 1e12, max=peak_tflops)"),
+        ("list returned", "return np.minimum(peak_tflops, np.asarray(intensity, dtype=float) * bandwidth / 1e12)",
+         "return [min(peak_tflops, x * bandwidth / 1e12) for x in np.atleast_1d(intensity)]"),
     ],
     "ex4_predictor": [
         ("causal factor ignored", 'np.where(df["causal"].to_numpy(dtype=bool), 0.5, 1.0)', "np.ones(len(df))"),
