@@ -5,6 +5,7 @@
   loss, chunked MLP, offloaded checkpoints, RoPE instead of a learned position table), built
   on ``lk.perfmodel.training_memory``.
 - :func:`saved_tensor_bytes`: what autograd keeps for the backward, measurable on a CPU too.
+- :func:`peak_live_bytes`: the most bytes of new tensors alive at once, forward and backward (a CPU's peak).
 - :func:`model_shape`: the :class:`~labkit.perfmodel.ModelShape` of a GPT-2 config.
 
 Used in: 03_long_sequence_training.
@@ -145,10 +146,52 @@ def saved_tensor_bytes(fn: Callable[[], object], *, exclude: Iterable[torch.Tens
     return sum(seen.values())
 
 
+def peak_live_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of the tensors that operations create while ``fn()`` runs and that are alive at once.
+
+    Each new storage counts from the operation that creates it until it is freed (views and
+    in-place results of existing tensors do not count again); tensors that existed before
+    (parameters, inputs) do not count. With the backward inside ``fn`` this is the step's peak
+    above what it started with, which a CPU's allocator does not record: for example, whether
+    a chunked loss holds one chunk of logits at a time in the backward or all of them.
+    """
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    live: dict[int, int] = {}  # data_ptr -> bytes of the storages alive now
+    total, peak = [0], [0]
+
+    def free(key: int) -> None:
+        total[0] -= live.pop(key, 0)
+
+    class _Live(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                      if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+            for t in tree_flatten(out)[0]:
+                if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                    continue
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in live and key not in inputs:
+                    live[key] = storage.nbytes()
+                    total[0] += live[key]
+                    peak[0] = max(peak[0], total[0])
+                    weakref.finalize(storage, free, key)
+            return out
+
+    with _Live():
+        fn()
+    return peak[0]
+
+
 def model_shape(config) -> ModelShape:
     """The :class:`~labkit.perfmodel.ModelShape` of a ``GPT2Config`` (e.g. ``model.config``)."""
     return ModelShape(config.n_layer, config.n_embd, config.n_head, vocab=config.vocab_size,
                       n_positions=config.n_positions)
 
 
-__all__ = ["KEYS", "LeverCoefficients", "memory_model", "model_shape", "saved_tensor_bytes"]
+__all__ = ["KEYS", "LeverCoefficients", "memory_model", "model_shape", "peak_live_bytes", "saved_tensor_bytes"]

@@ -225,3 +225,38 @@ def test_rope_saves_the_rotation_table_once():
 
 def test_model_shape_from_config():
     assert longmem.model_shape(gpt2.gpt2_config("small")) == SMALL
+
+
+# ----------------------------------------------------------------------------- peak_live_bytes
+def test_peak_live_bytes_counts_what_is_alive_at_once():
+    x = torch.ones(1000)  # existed before: not counted
+
+    def two_at_once():
+        a = x * 2          # 4000 bytes
+        b = a + 1          # 4000 more, a still alive
+        del a
+        c = b * 3          # a freed: b and c, the peak stays 8000
+        return c
+
+    assert longmem.peak_live_bytes(two_at_once) == 8000
+    assert longmem.peak_live_bytes(lambda: x.add_(1)) == 0  # in place on an existing tensor
+    assert longmem.peak_live_bytes(lambda: (x * 2).view(10, 100).t()) == 4000  # views share one storage
+
+
+def test_peak_live_bytes_sees_the_backward_of_one_checkpoint_around_every_chunk():
+    from torch.utils.checkpoint import checkpoint
+
+    h = torch.randn(512, 8, requires_grad=True)
+    w = torch.randn(300, 8, requires_grad=True)
+    chunk = 32 * 300 * 4  # one chunk of fp32 logits
+
+    def loss(hc):
+        return (hc @ w.T).logsumexp(-1).sum()
+
+    def per_chunk():
+        sum(checkpoint(loss, hc, use_reentrant=False) for hc in h.split(32)).backward()
+
+    def whole_loop():
+        checkpoint(lambda x: sum(loss(hc) for hc in x.split(32)), h, use_reentrant=False).backward()
+
+    assert longmem.peak_live_bytes(per_chunk) < 6 * chunk < 16 * chunk <= longmem.peak_live_bytes(whole_loop)

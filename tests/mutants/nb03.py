@@ -20,14 +20,15 @@ RULES = {
         "bf16 inputs: softmax and loss in float32",
         "no tensor larger than one chunk of logits, forward or backward",
         "no logits kept for the backward",
+        "forward + backward peak of a few chunks of logits (one checkpoint around the whole loop fails)",
         "calls no labkit",
     ],
     "ex3_extend_positions": [
-        "a new nn.Embedding of shape (n_positions, h)",
+        "a new nn.Embedding of shape (n_positions, h), num_embeddings = n_positions (the module replaced)",
         "row i = old row i mod P (80 positions from 32: not a multiple)",
         "logits of a short input unchanged; config.n_positions updated",
         "requires_grad kept (trainable and frozen tables)",
-        "device and dtype kept (bf16)",
+        "device kept (a model on the meta device) and dtype kept (bf16)",
         "ValueError for n_positions <= P (equal and smaller)",
         "calls no labkit",
     ],
@@ -70,6 +71,12 @@ MISTAKES = {
         ("weight detached", "checkpoint(chunk_loss, hc, weight, tc,", "checkpoint(chunk_loss, hc, weight.detach(), tc,"),
         ("fp32 for fp64 inputs", "acc = torch.promote_types(hidden.dtype, torch.float32)", "acc = torch.float32"),
         ("softmax in the input dtype (bf16)", "logits = (h_chunk @ w.T).to(acc)", "logits = h_chunk @ w.T"),
+        ("one checkpoint around the whole chunk loop",
+         "    total = sum(checkpoint(chunk_loss, hc, weight, tc, use_reentrant=False)\n"
+         "                for hc, tc in zip(h.split(chunk_size), t.split(chunk_size)))",
+         "    total = checkpoint(lambda hh, w, tt: sum(chunk_loss(hc, w, tc) for hc, tc in\n"
+         "                                             zip(hh.split(chunk_size), tt.split(chunk_size))),\n"
+         "                       h, weight, t, use_reentrant=False)"),
     ],
     "ex3_extend_positions": [
         ("floor instead of ceil", "old.repeat(-(-n_positions // p), 1)", "old.repeat(n_positions // p, 1)"),
@@ -80,6 +87,11 @@ MISTAKES = {
         ("trainable table frozen", "table.weight.requires_grad_(old.requires_grad)", "table.weight.requires_grad_(False)"),
         ("same length accepted", "if n_positions <= p:", "if n_positions < p:"),
         ("dtype dropped", "device=old.device, dtype=old.dtype)", "device=old.device)"),
+        ("table swapped through .data (num_embeddings stale)", "    model.transformer.wpe = table\n",
+         "    model.transformer.wpe.weight.data = table.weight.data\n"),
+        ("new Parameter in the old module (num_embeddings stale)", "    model.transformer.wpe = table\n",
+         "    model.transformer.wpe.weight = table.weight\n"),
+        ("new table on the default device", "device=old.device, dtype=old.dtype)", "dtype=old.dtype)"),
     ],
     "ex4_rope": [
         ("rotate_half sign", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
