@@ -131,16 +131,19 @@ def answered(needs: dict[str, Callable[[], object]]) -> bool:
     """True when every exercise a later cell uses has an answer; else print one line naming those to finish.
 
     ``needs``: exercise label ("練習 2") -> a call of its answer on a tiny input. A call that raises
-    ``NotImplementedError`` (the blank release) marks the exercise unfinished; other errors propagate.
+    ``NotImplementedError`` (the blank release), or an error naming one (Triton wraps a blank kernel's in its
+    own ``InterpreterError`` or ``CompilationError``), marks the exercise unfinished; other errors propagate.
     Cells run their body under ``if lk.grading.answered({...}):``, so a blank answer gives one line, not a traceback.
 
-    Used in: 04_performance_analysis, 05_precision_analysis.
+    Used in: 04_performance_analysis, 05_precision_analysis, 07_context_parallel, 08_decode_attention.
     """
     todo = []
     for label, call in needs.items():
         try:
             call()
-        except NotImplementedError:
+        except Exception as err:  # noqa: BLE001 - only a blank answer's error is caught, the rest re-raised
+            if not isinstance(err, NotImplementedError) and "NotImplementedError" not in f"{err!r} {err.__cause__!r}":
+                raise
             todo.append(label)
     if todo:
         print(f"先完成{'、'.join(todo)}，再執行這一格：它用到{'這些練習' if len(todo) > 1 else '這個練習'}的答案。")

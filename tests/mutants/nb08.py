@@ -14,20 +14,23 @@ RULES = {
     "ex2_decode_kernel": ["o and lse (natural log) equal float64 attention with K/V repeated per group",
                           "tail tile masked (N not a multiple of the block)",
                           "GQA: KV head j serves query heads j*g .. j*g+g-1 (g = 4 and g = 3 padded to 16 rows)",
+                          "head size, key block and query rows of different sizes (d = 32, B_N = 16, B_G = 16 or 32)",
                           "padded rows (g = 3 in 16) neither read nor written: o and lse stores masked",
                           "scores near 1e3: the max subtracted, the state rescaled",
                           "a fully masked tile: no NaN; a row with no key gets o = 0, lse = -inf",
                           "bf16 in: bf16 o, fp32 lse",
                           "K/V read once per KV head (elements counted)",
+                          "64-bit offsets: no int32 overflow when b*N*H_kv*d passes 2^31 (interpreter, sequence 2^22)",
                           "the kernel is launched; no SDPA, softmax or the reference",
-                          "compiles for sm80 and sm90"],
+                          "compiles for sm80 and sm90; fp32 dot with input_precision=PREC (no TF32 mma in the compiled code)"],
     "ex3_split_kernel": ["split count: ceil(SMs / (batch x H_kv)), capped at ceil(max_len / block), at least 1",
-                         "partials equal attention over each split's own keys: S = 1, S = 3 with a tail, GQA",
+                         "partials equal attention over each split's own keys: S = 1, S = 3 with a tail, GQA, d = 32",
                          "padded rows (g = 3 in 16) not written outside the partials",
                          "per-sequence lengths (0, shorter than a split, not a multiple of the block)",
                          "splits with no key: o = 0, lse = -inf, no NaN",
                          "each split reads only its own keys and loops over its own blocks only (elements and "
                          "load lanes counted: no loop over the whole cache masked down to the split)",
+                         "64-bit offsets: no int32 overflow with a capacity of 2^26 tokens (interpreter)",
                          "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
     "ex4_combine_kernel": ["merged o and lse equal attention over all keys (uneven splits, S = 1, S not a power of 2)",
                            "lse near +-1e4: no overflow (exp only of differences from the max)",
@@ -38,13 +41,16 @@ RULES = {
                            "slots = page x page_size + t % page_size, by each sequence's own pages",
                            "no page held twice; free pages = total - held",
                            "n = 0 allowed; n < 0 raises ValueError",
-                           "out of pages: MemoryError naming the pages needed and free, and nothing changed (no new sequence registered)",
+                           "out of pages: MemoryError naming the pages needed and free, and nothing changed (no new sequence "
+                           "registered, a partly filled last page left as it was)",
                            "free returns every page and forgets the sequence; pages reused; KeyError for unknown sequences",
                            "any hashable sequence name; no labkit"],
     "ex6_paged_kernel": ["padded rows (g = 3 in 16) not written outside the partials",
                          "partials and merged o equal attention over the contiguous cache: pages in order and shuffled",
-                         "per-sequence lengths (0, not a multiple of the page); GQA; S = 1 and 3",
-                         "only tokens within the length read; page-table padding not read (elements counted)",
+                         "per-sequence lengths (0, not a multiple of the page); GQA; S = 1 and 3; page size != head size",
+                         "only tokens within the length read; the loop stops at the length, not the chunk: page-table "
+                         "padding (an invalid page id) not read (elements and load lanes counted)",
+                         "64-bit offsets: no int32 overflow with page ids from 2^22 (interpreter)",
                          "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
 }
 
@@ -77,6 +83,13 @@ MISTAKES = {
          "o.to(o_ptr.dtype.element_ty))"),
         ("lse stored without the row mask", "tl.store(lse_ptr + b * H_KV * G + heads, lse, mask=row_ok)",
          "tl.store(lse_ptr + b * H_KV * G + heads, lse)"),
+        ("head size and key block mixed (offs_d over BLOCK_N)", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, BLOCK_N)"),
+        ("keys per tile taken from the head size", "offs_n = start + tl.arange(0, BLOCK_N)", "offs_n = start + tl.arange(0, HEAD_DIM)"),
+        ("query rows sized by the key block", "offs_g = tl.arange(0, BLOCK_G)", "offs_g = tl.arange(0, BLOCK_N)"),
+        ("32-bit offsets (program id not widened)", "b = tl.program_id(0).to(tl.int64)", "b = tl.program_id(0)"),
+        ("64-bit cast after the int32 product", "kv_base = b * N * H_KV * HEAD_DIM + j * HEAD_DIM",
+         "kv_base = (b.to(tl.int32) * N * H_KV * HEAD_DIM).to(tl.int64) + j * HEAD_DIM"),
+        ("no input_precision: the fp32 dot runs in TF32", "s = tl.dot(q, tl.trans(k), input_precision=PREC)", "s = tl.dot(q, tl.trans(k))"),
     ],
     "ex3_split_kernel": [
         ("floor instead of ceil for the SM fill", "fill = -(-n_sms // (batch * n_kv_heads))", "fill = n_sms // (batch * n_kv_heads)"),
@@ -92,6 +105,9 @@ MISTAKES = {
         ("sequence length ignored", "hi = tl.minimum(lo + CHUNK, n_b)", "hi = tl.minimum(lo + CHUNK, N)"),
         ("partials stored without the split index", "part = (b * H_KV * G + heads) * S + s", "part = (b * H_KV * G + heads) * S"),
         ("partials stored without the row mask", "o, mask=row_ok[:, None])", "o)"),
+        ("keys per tile taken from the head size", "offs_n = start + tl.arange(0, BLOCK_N)", "offs_n = start + tl.arange(0, HEAD_DIM)"),
+        ("head size and key block mixed (offs_d over BLOCK_N)", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, BLOCK_N)"),
+        ("32-bit offsets (program id not widened)", "b = tl.program_id(0).to(tl.int64)", "b = tl.program_id(0)"),
     ],
     "ex4_combine_kernel": [
         ("plain average of the partials", "w = tl.exp(lse_s - shift)",
@@ -115,6 +131,10 @@ MISTAKES = {
          'raise MemoryError(f"sequence {seq!r} needs {need} more pages for {n} tokens; {len(self._free)} are free")',
          'raise MemoryError("out of pages")'),
         ("sequence not forgotten on free", "        del self._length[seq]\n", ""),
+        ("last page partly filled before MemoryError", "        if need > len(self._free):\n",
+         "        if seq in self._length:                                # fill the last page's room first\n"
+         "            self._length[seq] = min(length + n, len(pages) * self.page_size)\n"
+         "        if need > len(self._free):\n"),
     ],
     "ex6_paged_kernel": [
         ("page table ignored (pages assumed in order)",
@@ -125,6 +145,10 @@ MISTAKES = {
         ("K/V head offset missing", " + j * HEAD_DIM + offs_d[None, :]", " + offs_d[None, :]"),
         ("page offset not scaled by the page size", "(page * PAGE_SIZE + offs_p)", "(page + offs_p)"),
         ("partials stored without the row mask", "o, mask=row_ok[:, None])", "o)"),
+        ("page id not widened to 64 bits", "start // PAGE_SIZE).to(tl.int64)", "start // PAGE_SIZE)"),
+        ("loop bounded by the chunk, not the length", "for start in range(lo, hi, PAGE_SIZE):",
+         "for start in range(lo, lo + CHUNK, PAGE_SIZE):"),
+        ("page size and head size mixed", "offs_p = tl.arange(0, PAGE_SIZE)", "offs_p = tl.arange(0, HEAD_DIM)"),
     ],
 }
 
@@ -137,12 +161,14 @@ FITTED = {
                            "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
                            "return {(12, 12, 64, 2): 36864, (1, 1, 1, 1): 2, (32, 1, 1, 1): 64, (32, 8, 128, 2): 131072,\n"
                            "            (1, 1, 1, 4): 8}[layers, n_kv_heads, head_dim, bytes_per_element]")],
-    "ex2_decode_kernel": [("head dim fixed at the visible 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)")],
+    "ex2_decode_kernel": [("head dim fixed at the visible 16 and 32", "offs_d = tl.arange(0, HEAD_DIM)",
+                           "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
     "ex3_split_kernel": [("table of the visible split counts", "return max(1, min(fill, blocks))",
                           "return {(1, 8, 4096): 17, (16, 8, 4096): 2, (4, 8, 4096): 5, (32, 8, 4096): 1, (1, 8, 100): 2,\n"
                           "            (1, 8, 0): 1}[batch, n_kv_heads, max_len]")],
     "ex4_combine_kernel": [("head dim fixed at the visible 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)")],
     "ex5_page_allocator": [("page size fixed at the visible 4", "need = -(-(length + n) // self.page_size) - len(pages)",
                             "need = -(-(length + n) // 4) - len(pages)")],
-    "ex6_paged_kernel": [("head dim fixed at the visible 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)")],
+    "ex6_paged_kernel": [("head dim fixed at the visible 16 and 32", "offs_d = tl.arange(0, HEAD_DIM)",
+                          "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
 }
