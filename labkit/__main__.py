@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from .attention import MODES
+from . import cliargs as ca
+from .attention import BACKENDS, MODES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+COURSE = "the course folder (it holds solutions/)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,45 +28,70 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="device, dtypes and which attention backends run here")
     bench = sub.add_parser("bench", help="attention sweep to CSV and PNG")
     gpu = torch.cuda.is_available()
-    bench.add_argument("--seq-lens", type=_ints, default=_ints("512,1024,2048,4096,8192,16384" if gpu else "128,256,512"),
-                       help="comma-separated sequence lengths N")
-    bench.add_argument("--head-dims", type=_ints, default=_ints("64,128" if gpu else "64"),
+    bench.add_argument("--seq-lens", type=ca.integers(1, "512,1024"), help="comma-separated sequence lengths N",
+                       default=[512, 1024, 2048, 4096, 8192, 16384] if gpu else [128, 256, 512])
+    bench.add_argument("--head-dims", type=ca.integers(1, "64,128"), default=[64, 128] if gpu else [64],
                        help="comma-separated head dims D")
-    bench.add_argument("--tokens", type=int, default=16384 if gpu else 1024, help="B*N per configuration")
-    bench.add_argument("--width", type=int, default=2048 if gpu else 256, help="H*D per configuration")
+    bench.add_argument("--tokens", type=ca.integer(1, 16384), default=16384 if gpu else 1024,
+                       help="B*N per configuration")
+    bench.add_argument("--width", type=ca.integer(1, 2048), default=2048 if gpu else 256, help="H*D per configuration")
     bench.add_argument("--dtype", choices=sorted(DTYPES), default="bf16" if gpu else "fp32", help="input dtype")
-    bench.add_argument("--backends", type=lambda s: s.split(","), default=None,
+    bench.add_argument("--backends", type=ca.names([*BACKENDS, "auto"], "backend"), default=None,
                        help="comma-separated names (default: every backend that runs here, plus auto)")
-    bench.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES),
+    bench.add_argument("--modes", type=ca.names(MODES, "mode"), default=list(MODES),
                        help="fwd, fwd_bwd or both (comma-separated)")
     bench.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="causal mask rows to run")
-    bench.add_argument("--target-ms", type=float, default=100.0, help="timing budget per row")
-    bench.add_argument("--out", type=Path, default=Path("build/bench"), help="output folder")
+    bench.add_argument("--target-ms", type=ca.number(0, 100), default=100.0, help="timing budget per row")
+    bench.add_argument("--out", type=ca.out_folder("build/bench"), default="build/bench", help="output folder")
     bench.add_argument("--vs-direct", action="store_true",
                        help="instead of the sweep: auto and labkit against the kernels called directly, both layouts")
-    bench.add_argument("--rounds", type=int, default=60, help="--vs-direct: interleaved timing rounds per row")
-    bench.add_argument("--rep-ms", type=float, default=10.0, help="--vs-direct: milliseconds of calls per measurement")
+    bench.add_argument("--rounds", type=ca.integer(1, 60), default=60,
+                       help="--vs-direct: interleaved timing rounds per row")
+    bench.add_argument("--rep-ms", type=ca.number(0, 10), default=10.0,
+                       help="--vs-direct: milliseconds of calls per measurement")
     execute = sub.add_parser("execute", help="run the solution notebooks here; copies and summary.md")
-    execute.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
-    execute.add_argument("--out", type=Path, default=Path("build/execute"), help="output folder")
-    execute.add_argument("--only", type=lambda s: s.split(","), default=None,
+    execute.add_argument("--root", type=ca.folder("solutions", COURSE, "'.' run from it"), default=".",
+                         help="course folder (holds solutions/)")
+    execute.add_argument("--out", type=ca.out_folder("build/execute"), default="build/execute",
+                         help="output folder")
+    execute.add_argument("--only", type=ca.words("01,03"), default=None,
                          help="comma-separated notebook name prefixes, e.g. 01,03")
     execute.add_argument("--profile", choices=["cpu", "gpu"], default=None, help="default: by device")
-    execute.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    execute.add_argument("--timeout", type=ca.integer(1, 1800), default=1800, help="seconds per cell")
     execute.add_argument("--strict", action="store_true",
                          help="a network access or deprecation warning fails its cell (default: reported)")
     reference = sub.add_parser("reference", help="store the GPU-only cells' outputs of an executed run (GPU machine)")
-    reference.add_argument("--from", dest="executed", type=Path, default=Path("build/execute"),
+    executed = ca.folder("[0-9][0-9]_*.ipynb", "the folder make execute wrote", "build/execute")
+    reference.add_argument("--from", dest="executed", type=executed, default="build/execute",
                            help="folder of executed notebooks (make execute)")
-    reference.add_argument("--out", type=Path, default=None, help="default: labkit/reference_runs")
+    reference.add_argument("--out", type=ca.out_folder("labkit/reference_runs"), default=None,
+                           help="default: labkit/reference_runs")
     bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
-    bundle.add_argument("--root", type=Path, default=Path("."), help="course folder (holds solutions/)")
-    bundle.add_argument("--out", type=Path, default=Path("build/student-bundle.zip"), help="zip file to write")
+    bundle.add_argument("--root", type=ca.folder("solutions", COURSE, "'.' run from it"), default=".",
+                        help="course folder (holds solutions/)")
+    bundle.add_argument("--out", type=ca.out_file("build/student-bundle.zip"), default="build/student-bundle.zip",
+                        help="zip file to write")
     sub.add_parser("longctx", add_help=False,  # its options: python -m labkit longctx --help (lk.longctx)
                    help="GPT-2 on one long sequence: labkit vs sdpa tokens/s (compare), the longest N (search)")
     sub.add_parser("cp-train", add_help=False,  # its options: python -m labkit cp-train --help (lk.cprun)
                    help="GPT-2 on one long sequence across GPUs (context parallelism, torchrun)")
+    parser.commands = sub.choices  # each command's parser, for the checks after parsing (_check)
     return parser
+
+
+def _check(parser: argparse.ArgumentParser, args) -> None:
+    """What the options' types cannot check alone; each answers as argparse does (one line, exit status 2)."""
+    command = parser.commands[args.command]
+    if args.command == "execute" and args.only:
+        from .execute import solution_notebooks
+
+        have = [p.stem for p in solution_notebooks(args.root)]
+        missing = [o for o in args.only if not any(h.startswith(o) for h in have)]
+        if missing:
+            command.error(f"argument --only: no solution notebook starts with {', '.join(missing)}; "
+                         f"the notebooks are {', '.join(have)}; e.g. --only {have[0][:2] if have else '01'}")
+    if args.command == "reference" and not torch.cuda.is_available():
+        command.error("reference stores a GPU run's outputs: run it on a machine with a CUDA GPU, after make execute")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         from . import longctx
 
         return longctx.main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check(parser, args)
     from . import bench, doctor, plots
 
     if args.command == "doctor":
@@ -102,14 +123,6 @@ def main(argv: list[str] | None = None) -> int:
         for path in reference.build(args.executed, **({"out": args.out} if args.out else {})):
             print(f"wrote {path}")
         return 0
-    unknown = set(args.backends or []) - set(bench.attn.BACKENDS) - {"auto"}
-    if unknown:
-        print(f"unknown backend(s) {sorted(unknown)}; choose from {', '.join(bench.attn.BACKENDS)}, auto",
-              file=sys.stderr)
-        return 2
-    if not args.modes or set(args.modes) - set(MODES):
-        print(f"--modes takes fwd, fwd_bwd or fwd,fwd_bwd; got {','.join(args.modes)!r}", file=sys.stderr)
-        return 2
     causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     configs = bench.fixed_token_configs(args.seq_lens, args.head_dims, tokens=args.tokens, width=args.width)
     args.out.mkdir(parents=True, exist_ok=True)

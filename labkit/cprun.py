@@ -32,24 +32,45 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import cliargs as ca
 from . import cpcpu, cptrain
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m labkit cp-train", description=__doc__.splitlines()[0])
-    p.add_argument("--seq-len", type=int, required=True, help="tokens in the one training sequence")
-    p.add_argument("--nproc", type=int, default=None, help="processes (GPUs) to start through torchrun")
+    p.add_argument("--seq-len", type=ca.integer(2, 4096), required=True,
+                   help="tokens in the one training sequence (with --nproc P: a multiple of 2P)")
+    p.add_argument("--nproc", type=ca.integer(1, 2), default=None, help="processes (GPUs) to start through torchrun")
     p.add_argument("--single", action="store_true", help="one process, no context parallelism (the baseline)")
-    p.add_argument("--steps", type=int, default=2, help="optimizer steps; the last is timed (default 2)")
+    p.add_argument("--steps", type=ca.integer(1, 2), default=2, help="optimizer steps; the last is timed (default 2)")
     p.add_argument("--checkpointing", action="store_true", help="recompute each block in the backward")
     p.add_argument("--chunked-mlp", action="store_true", help="each block's MLP in checkpointed chunks")
-    p.add_argument("--chunk-size", type=int, default=4096, help="positions per chunk of the loss")
+    p.add_argument("--chunk-size", type=ca.integer(1, 4096), default=4096, help="positions per chunk of the loss")
     p.add_argument("--size", default="small", choices=list(cptrain.gpt2.SIZES), help="GPT-2 size")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=ca.integer(0, 0), default=0)
     p.add_argument("--check", action="store_true", help="compare attention and a step with one GPU instead")
     p.add_argument("--cpu", action="store_true", help="CPU processes (gloo) even where GPUs exist: the GPUs are hidden")
-    p.add_argument("--json", type=Path, default=None, help="write rank 0's result (all ranks) here")
+    p.add_argument("--json", type=ca.out_file("build/cp.json"), default=None,
+                   help="write rank 0's result (all ranks) here")
     return p
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The options, checked together before anything starts (argparse's one-line error, exit status 2)."""
+    p = parser()
+    args = p.parse_args(argv)
+    launched = "LOCAL_RANK" in os.environ  # a torchrun worker: the world is torchrun's (--nproc was dropped)
+    world = 1 if args.single else int(os.environ.get("WORLD_SIZE", 1)) if launched else (args.nproc or 1)
+    if args.check and world < 2:
+        p.error("--check compares context parallelism with one GPU: give --nproc 2 or more (without --single)")
+    step = 2 * world  # the load balancer cuts the sequence into 2 equal chunks per process
+    if world > 1 and args.seq_len % step:
+        p.error(f"argument --seq-len: with {world} processes it must be a multiple of 2*{world} = {step} "
+                f"(2 equal chunks per process); got {args.seq_len}, e.g. {max(step, args.seq_len // step * step)}")
+    if world > 1 and not launched and not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() < world:
+        p.error(f"argument --nproc: {world} processes need one GPU each and this machine has "
+                f"{torch.cuda.device_count()}; use --single for the one-GPU baseline or --cpu for CPU processes")
+    return args
 
 
 def _relaunch(argv: list[str], nproc: int) -> int:
@@ -89,13 +110,10 @@ def _setup(single: bool):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(argv)
+    args = parse(argv)
     if args.cpu and os.environ.get("CUDA_VISIBLE_DEVICES") != "":  # this process may have seen the GPUs already
         return subprocess.call([sys.executable, "-m", "labkit", "cp-train", *argv], env=_cpu_env())
     if args.nproc and args.nproc > 1 and not args.single and "LOCAL_RANK" not in os.environ:
-        if torch.cuda.is_available() and torch.cuda.device_count() < args.nproc:
-            raise SystemExit(f"cp-train: --nproc {args.nproc} needs one GPU per process; this machine has "
-                             f"{torch.cuda.device_count()}. Use --single for the one-GPU baseline.")
         return _relaunch(argv, args.nproc)
     mesh, device = _setup(args.single)
     try:
@@ -223,8 +241,6 @@ def check_step(args, mesh, device: torch.device) -> dict:
 
 def check(args, mesh, device: torch.device) -> dict:
     """``--check``: :func:`check_attention` and :func:`check_step` at ``args.seq_len``; ``ok`` if all pass."""
-    if mesh is None:
-        raise SystemExit("cp-train --check compares context parallelism with one GPU: run it with --nproc >= 2.")
     attention, step = check_attention(mesh, device, args.seq_len, seed=args.seed), check_step(args, mesh, device)
     ok = all(v["ok"] for v in attention.values()) and step["loss_ok"] and step["grad_ok"]
     return dict(rank=dist.get_rank(), world=mesh.size(), N=args.seq_len, attention=attention, step=step, ok=ok)

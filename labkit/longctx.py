@@ -17,13 +17,13 @@ import argparse
 import contextlib
 import math
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Callable, Iterable
 
 import pandas as pd
 import torch
 
 from . import attention as attn
+from . import cliargs as ca
 from . import gpt2, levers, longmem, rope
 from .env import default_device
 from .measure import allocated_bytes, call_ms, free_memory, is_oom, peak_memory
@@ -272,40 +272,45 @@ def main(argv: list[str] | None = None) -> int:
     """``compare`` or ``search`` from the command line; CSVs go to ``--out``. See ``--help``."""
     parser = argparse.ArgumentParser(prog="python -m labkit longctx", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     compare = sub.add_parser("compare", help="labkit's attention vs sdpa: tokens/s, loss, peak memory")
-    compare.add_argument("--seq-lens", type=ints, default=[32768, 65536, 131072], help="comma-separated N")
-    compare.add_argument("--implementations", default="sdpa,labkit", help="comma-separated attn implementations")
+    compare.add_argument("--seq-lens", type=ca.integers(2), default=[2**15, 2**16, 2**17], help="comma-separated N")
+    compare.add_argument("--implementations", type=ca.checked(gpt2._parse, "implementation", many=True),
+                         default="sdpa,labkit", help="comma-separated attn implementations")
     compare.add_argument("--config", default="flash+ckpt+chunked", choices=list(CONFIGS), help="levers to use")
-    compare.add_argument("--rounds", type=int, default=5, help="timed steps per implementation and N")
+    compare.add_argument("--rounds", type=ca.integer(1, 5), default=5, help="timed steps per implementation and N")
     search = sub.add_parser("search", help="longest N per configuration, until memory or step time stops it")
-    search.add_argument("--configs", default="rope+ckpt+chunked+mlp+offload", help="comma-separated names")
-    search.add_argument("--start", type=int, default=32768, help="first N (then doubled)")
-    search.add_argument("--max-len", type=int, default=None, help="largest N to try (default: no limit)")
-    search.add_argument("--max-step-s", type=float, default=150.0, help="step-time limit in seconds")
-    search.add_argument("--attention", default=None, help="implementation for every configuration, e.g. labkit:fa4")
+    search.add_argument("--configs", type=ca.names(CONFIGS, "config"), default="rope+ckpt+chunked+mlp+offload",
+                        help="comma-separated names")
+    search.add_argument("--start", type=ca.integer(2, 2048), default=32768, help="first N (then doubled)")
+    search.add_argument("--max-len", type=ca.integer(2, 65536),
+                        help="largest N to try (default: no limit on a GPU; a CPU needs one: its memory must last)")
+    search.add_argument("--max-step-s", type=ca.number(0, 150), default=150.0, help="step-time limit in seconds")
+    search.add_argument("--attention", type=ca.checked(gpt2._parse, "implementation"),
+                        help="implementation for every configuration, e.g. labkit:fa4")
     for p in (compare, search):
         p.add_argument("--size", default="small", choices=list(gpt2.SIZES), help="GPT-2 size")
-        p.add_argument("--chunk-size", type=int, default=4096, help="chunked loss: positions per chunk")
-        p.add_argument("--out", type=Path, default=Path("build/longctx"), help="folder for the CSV")
+        p.add_argument("--chunk-size", type=ca.integer(1, 4096), default=4096, help="chunked loss: positions per chunk")
+        p.add_argument("--out", type=ca.out_folder("build/longctx"), default="build/longctx", help="folder for the CSV")
     args = parser.parse_args(argv)
+    searching, fail = args.command == "search", sub.choices[args.command].error  # argparse's one line, status 2
+    configs, impls = (args.configs, [args.attention]) if searching else ([args.config], args.implementations)
+    if any(CONFIGS[c].rope for c in configs) and any(i and gpt2._parse(i)[0] != gpt2.ATTN_NAME for i in impls):
+        fail("RoPE (a rope+ configuration) runs in labkit's attention only: give labkit or labkit:<backend>")
+    if searching and (args.max_len or 0) < args.start and (args.max_len or default_device().type != "cuda"):
+        fail(f"argument --max-len: must be at least --start ({args.start}), and a CPU needs one; got {args.max_len}, "
+             f"e.g. {2 * args.start}")
     args.out.mkdir(parents=True, exist_ok=True)
-    pd.set_option("display.width", 200)
-    if args.command == "compare":
-        df = compare_attention(args.seq_lens, implementations=args.implementations.split(","), config=args.config,
-                               size=args.size, rounds=args.rounds, chunk_size=args.chunk_size)
-        cols = ["N", "implementation", "backend", "loss", "step_ms", "tokens_per_s", "peak_gib", "vs_sdpa"]
-    else:
-        df = longest_sequence(args.configs.split(","), size=args.size, start=args.start, max_len=args.max_len,
+    if searching:
+        df = longest_sequence(args.configs, size=args.size, start=args.start, max_len=args.max_len,
                               max_step_s=args.max_step_s, attention=args.attention, chunk_size=args.chunk_size,
                               progress=False)
-        cols = ["config", "N", "status", "step_s", "tokens_per_s", "peak_gib", "predicted_gib", "host_gib",
-                "loss", "stopped_by"]
-    path = args.out / f"{args.command}.csv"
-    df.to_csv(path, index=False)
-    print(df[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
-    if args.command == "search":
-        print(summary(df).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    else:
+        df = compare_attention(args.seq_lens, implementations=args.implementations, config=args.config,
+                               size=args.size, rounds=args.rounds, chunk_size=args.chunk_size)
+    df.to_csv(path := args.out / f"{args.command}.csv", index=False)
+    print(df.drop(columns="device").to_string(index=False, float_format="{:.4g}".format))
+    if searching:
+        print(summary(df).to_string(index=False, float_format="{:.4g}".format))
     print(f"wrote {path}")
     return 0
 

@@ -248,14 +248,50 @@ def test_cli_cpu_hides_the_gpus(monkeypatch):
     assert "--cpu" in cmd and kw["env"]["CUDA_VISIBLE_DEVICES"] == ""
 
 
-def test_cli_asks_for_one_gpu_per_process(monkeypatch):
+def test_cli_asks_for_one_gpu_per_process(monkeypatch, capsys):
     from labkit import cprun
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(SystemExit, match="needs one GPU per process; this machine has 1"):
+    monkeypatch.setattr(cprun.subprocess, "call", lambda *a, **k: pytest.fail("nothing may start"))
+    with pytest.raises(SystemExit) as info:
         cprun.main(["--nproc", "2", "--seq-len", "256"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert info.value.code == 2 and "argument --nproc: 2 processes need one GPU each and this machine has 1" in err
+    assert "--single" in err and "--cpu" in err
+    assert cprun.parse(["--nproc", "2", "--seq-len", "256", "--cpu"]).nproc == 2, "--cpu: CPU processes instead"
+
+
+@pytest.mark.parametrize("argv, rule", [
+    (["--seq-len", "258", "--nproc", "2"], "multiple of 2*2 = 4"),  # 258 = 2*129: even, still not 4 equal chunks
+    (["--seq-len", "100", "--nproc", "4", "--cpu"], "multiple of 2*4 = 8"),
+    (["--seq-len", "64", "--check", "--nproc", "1"], "--nproc 2 or more"),
+])
+def test_cli_refuses_a_length_the_load_balancer_cannot_split(argv, rule, monkeypatch, capsys):
+    """Context parallelism cuts the sequence into 2 equal chunks per process (head-tail load balancing):
+    a length that is no multiple of 2P is refused before torchrun starts (it used to abort a gloo rank)."""
+    from labkit import cprun
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(cprun.subprocess, "call", lambda *a, **k: pytest.fail("nothing may start"))
+    with pytest.raises(SystemExit) as info:
+        cprun.main(argv)
+    assert info.value.code == 2 and rule in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_cli_any_length_for_one_process_and_torchruns_world_for_a_worker(monkeypatch):
+    """One process has no load balancer: any length >= 2. A torchrun worker (whose --nproc was dropped)
+    checks the length against torchrun's world size."""
+    from labkit import cprun
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert cprun.parse(["--seq-len", "257", "--single"]).seq_len == 257
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cprun.parse(["--seq-len", "256", "--check"]).check
+    with pytest.raises(SystemExit):
+        cprun.parse(["--seq-len", "258"])
 
 
 def test_install_refuses_a_machine_with_cuda(monkeypatch):
