@@ -94,6 +94,33 @@ def test_command_line_writes_csv(tmp_path, capsys):  # also as python -m labkit 
     assert "vs_sdpa" in capsys.readouterr().out and (tmp_path / "compare.csv").exists()
 
 
+
+@pytest.mark.parametrize("argv, rule", [
+    (["search", "--attention", "sdpa", "--max-len", "64"], "RoPE (a rope+ configuration) runs in labkit's attention"),
+    (["search", "--configs", "flash,rope+ckpt+chunked+mlp+offload", "--attention", "eager", "--max-len", "64"], "RoPE"),
+    (["compare", "--config", "rope+ckpt+chunked+mlp+offload", "--implementations", "labkit,sdpa"], "RoPE"),
+    (["search", "--start", "4096", "--max-len", "2048"], "argument --max-len: must be at least --start (4096)"),
+    (["compare", "--seq-lens", "0"], "argument --seq-lens: expected comma-separated integers >= 2"),
+    (["search", "--configs", "flash,fast", "--max-len", "64"], "unknown config(s) ['fast']"),
+])
+def test_command_line_refuses_bad_input_before_any_work(argv, rule, tmp_path, capsys):
+    """A RoPE model under sdpa or eager would train with no positions at all (only labkit's attention
+    rotates q and k): refused up front, like every other bad option (argparse's line, exit status 2)."""
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as info:
+        longctx.main([*argv, "--size", "tiny", "--out", str(out)])
+    assert info.value.code == 2 and rule in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not out.exists()
+
+
+def test_command_line_search_on_a_cpu_needs_max_len(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(longctx, "default_device", lambda: torch.device("cpu"))
+    with pytest.raises(SystemExit) as info:
+        longctx.main(["search", "--start", "32", "--size", "tiny", "--out", str(tmp_path)])
+    assert info.value.code == 2
+    assert "argument --max-len: must be at least --start (32), and a CPU needs one; got None, e.g. 64" in (
+        capsys.readouterr().err)
+
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
