@@ -77,7 +77,7 @@ def check_within_2x(actual, reference: torch.Tensor, baseline: torch.Tensor, *, 
     err = float((actual.detach().double().cpu() - ref).abs().nan_to_num(nan=math.inf).max())
     base = float((baseline.detach().double().cpu() - ref).abs().max())
     if not err <= 2 * base + floor:
-        _fail(name, f"低精度輸入（{actual.dtype}）下的誤差 {err:.3g} 超過 2 倍規則：同精度的 PyTorch 基準誤差為 "
+        _fail(name, f"低精度（bf16/fp16）輸入下的誤差 {err:.3g} 超過 2 倍規則：同精度的 PyTorch 基準誤差為 "
                     f"{base:.3g}，容許 {2 * base + floor:.3g}。違反的精度規則：{rule}。",
               hint or "統計量與累加器是否留在低精度？先用 .float() 升到 fp32 再計算，最後才轉回輸入的 dtype。")
 
@@ -97,6 +97,32 @@ def check_raises(fn: Callable[[], object], error: type[BaseException], *, name: 
     except Exception as err:  # noqa: BLE001 - report what was raised instead
         _fail(name, f"應拋出 {error.__name__}，卻拋出 {type(err).__name__}: {err}", hint)
     _fail(name, f"應拋出 {error.__name__}，但沒有拋出任何錯誤。", hint)
+
+
+def largest_new_tensor(fn: Callable[[], object]) -> tuple[int, str]:
+    """(elements, op) of the largest tensor an operation creates while ``fn()`` runs, backward passes included.
+
+    A tiled algorithm's check: FlashAttention builds no [..., N, Nk] tensor, so the largest it creates is an
+    input's size or one tile. A dispatch mode sees the operations autograd runs too (a custom Function's
+    backward, or autograd through the standard formula inside it), which a function mode does not.
+
+    Used in: 01_setup_and_comparison.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    largest = [0, ""]
+
+    class _Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.numel() > largest[0]:
+                    largest[:] = [t.numel(), str(func.overloadpacket.__name__)]
+            return out
+
+    with _Probe():
+        fn()
+    return largest[0], largest[1]
 
 
 SPARE = 7.0   # what the extra rows of with_spare_rows hold

@@ -277,3 +277,35 @@ def test_spare_rows_catch_a_write_past_the_output_and_name_how_many():
     room.view(-1)[6:9] = 0.0                                  # a store of 3 elements past the 6 (rows 3 and 4)
     with pytest.raises(AssertionError, match="被寫了 2 列"):
         lk.grading.check_spare_rows(room, 3, name="padded rows", hint="mask the store")
+
+
+def test_largest_new_tensor_sees_the_backward_a_custom_function_runs():
+    """largest_new_tensor reports the largest tensor created, autograd's backward included: a Function whose
+    backward runs autograd through materialized scores shows the [N, N] tensor, a matmul of tiles does not."""
+    q = torch.randn(2, 64, 8, requires_grad=True)
+
+    class ThroughScores(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                return torch.autograd.grad(torch.softmax(x @ x.transpose(-2, -1), -1) @ x, x, grad)[0]
+
+    out = ThroughScores.apply(q)
+    size, op = G.largest_new_tensor(lambda: torch.autograd.grad(out, q, torch.ones_like(out)))
+    assert size == 2 * 64 * 64 and op
+    assert G.largest_new_tensor(lambda: q[:, :16] @ q[:, :16].transpose(-2, -1))[0] == 2 * 16 * 16
+
+
+def test_check_within_2x_passes_twice_the_baseline_error_and_names_the_rule():
+    ref = torch.linspace(0, 1, 50, dtype=torch.float64)
+    base = ref + 1e-3
+    G.check_within_2x(ref + 1.9e-3, ref, base, name="lse", rule="統計量以 fp32 保存")
+    msg = fails(G.check_within_2x, ref + 3e-3, ref, base, name="lse", rule="統計量以 fp32 保存")
+    assert "統計量以 fp32 保存" in msg and "2 倍" in msg
