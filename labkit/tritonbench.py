@@ -90,8 +90,10 @@ def config_table(kernel, grid: Callable[[dict], tuple], args: tuple, kwargs: dic
     Returns:
         One row per config: its kwargs, num_warps, num_stages, status ("ok" or the error), ms, tflops.
     """
+    from tqdm.auto import tqdm
+
     calls, rows = {}, {}
-    for i, cfg in enumerate(kernel.configs):
+    for i, cfg in enumerate(tqdm(kernel.configs, desc="compile each config")):
         name = f"config {i}"
         rows[name] = dict(**cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, status="ok")
         calls[name] = (lambda c: lambda: kernel.fn[grid(c.kwargs)](*args, **kwargs, **c.all_kwargs()))(cfg)

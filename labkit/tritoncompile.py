@@ -11,6 +11,7 @@ memory, and whether ``tl.dot`` became Hopper's ``wgmma`` or Ampere's ``mma.sync`
 - :func:`compile_launches`: compile each distinct kernel for each architecture; one report per pair.
 - :func:`check_compiles`: the test cells' check; fails in :mod:`labkit.grading`'s style, naming the
   kernel, the architecture and the cause.
+- :func:`check_no_tf32`: the test cells' check that fp32 launches stay IEEE fp32 in the compiled code.
 - :func:`report_table`: the reports as a DataFrame.
 
 The compiler runs in a separate Python process (``tritoncompile_worker.py``) with the interpreter
@@ -62,7 +63,9 @@ class Report:
     """What the compiler made of one kernel for one architecture (``ok`` False: ``error`` says why).
 
     ``registers`` and ``spills`` (local-memory bytes, where spilled registers go) are per thread;
-    ``mma`` is the tensor-core instruction ``tl.dot`` became ("wgmma", "mma.sync" or None)."""
+    ``mma`` is the tensor-core instruction ``tl.dot`` became ("wgmma", "mma.sync" or None); ``tf32``
+    whether one of them multiplies TF32 operands (``input_precision="tf32"``, or no ``input_precision``
+    on fp32 operands: the GPU's default), which the interpreter cannot show (numpy multiplies exactly)."""
 
     kernel: str
     arch: int
@@ -72,6 +75,7 @@ class Report:
     spills: int | None
     shared_bytes: int | None
     mma: str | None
+    tf32: bool | None = None
 
 
 def _python_function(kernel) -> Callable | None:
@@ -228,6 +232,18 @@ def check_compiles(run: Callable[[], object], *, name: str, archs=(80, 90), conf
     return reports
 
 
+def check_no_tf32(reports: list[Report], *, name: str, hint: str) -> None:
+    """Test-cell check: no compiled kernel of ``reports`` (from fp32 launches) multiplies in TF32.
+
+    The interpreter multiplies fp32 exactly whatever ``input_precision`` says; the compiled code shows
+    the choice: ``mma.sync ... .tf32`` (sm80) or ``wgmma ... .tf32`` (sm90).
+    """
+    for r in reports:
+        grading.check_true(not r.tf32, name=f"{name}：{r.kernel} 在 {ARCHS.get(r.arch, r.arch)} 上保持 IEEE fp32",
+                           detail=f"fp32 輸入編譯出的 GPU 程式碼用了 TF32 的張量核心指令（{r.mma} ... .tf32）："
+                                  "tl.dot 以 TF32 相乘（尾數只有 10 位元，誤差約 1e-3）。", hint=hint)
+
+
 def report_table(reports: list[Report]):
     """The reports as a DataFrame: kernel, GPU, registers, spills, shared memory (KiB), MMA instruction."""
     import pandas as pd
@@ -235,4 +251,4 @@ def report_table(reports: list[Report]):
     return pd.DataFrame([{"kernel": r.kernel, "gpu": ARCHS.get(r.arch, f"sm{r.arch}"), "compiles": r.ok,
                           "registers/thread": r.registers, "local (spill) bytes/thread": r.spills,
                           "shared KiB": None if r.shared_bytes is None else round(r.shared_bytes / 1024, 1),
-                          "tl.dot became": r.mma, "error": r.error} for r in reports])
+                          "tl.dot became": r.mma, "TF32": r.tf32, "error": r.error} for r in reports])

@@ -2,7 +2,7 @@
 
 Reads a JSON job on stdin: ``{"source": module text, "kernels": [{"name", "signature", "constexprs",
 "num_warps", "num_stages"}], "archs": [80, 90]}``. Writes one JSON list on stdout: per kernel and
-arch ``{"kernel", "arch", "ok", "error", "registers", "spills", "shared_bytes", "mma"}``.
+arch ``{"kernel", "arch", "ok", "error", "registers", "spills", "shared_bytes", "mma", "tf32"}``.
 
 A script, not a labkit import: it must start with ``TRITON_INTERPRET`` off (``import labkit`` turns
 the interpreter on where there is no GPU) and without torch, so a compile costs about a second more
@@ -41,7 +41,7 @@ def compile_one(module, kernel: dict, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     row = {"kernel": kernel["name"], "arch": arch, "ok": False, "error": "", "registers": None,
-           "spills": None, "shared_bytes": None, "mma": None}
+           "spills": None, "shared_bytes": None, "mma": None, "tf32": None}
     fn = getattr(module, kernel["name"])
     src = ASTSource(fn=fn, signature=kernel["signature"], constexprs=kernel["constexprs"])
     try:
@@ -56,7 +56,8 @@ def compile_one(module, kernel: dict, arch: int) -> dict:
         return row
     ptx = compiled.asm["ptx"]
     row.update(ok=True, shared_bytes=int(compiled.metadata.shared), **resource_usage(compiled.asm["cubin"]),
-               mma="wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else None)
+               mma="wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else None,
+               tf32=bool(re.search(r"\b(?:wgmma\.mma_async|mma\.sync)\S*\.tf32\b", ptx)))
     return row
 
 

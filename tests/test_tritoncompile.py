@@ -68,6 +68,27 @@ def test_compiles_for_ampere_and_hopper_with_their_tensor_core_instructions():
     assert list(table["tl.dot became"]) == ["mma.sync", "wgmma"] and table["compiles"].all()
 
 
+@triton.jit
+def _fp32_dot_kernel(x_ptr, y_ptr, PREC: tl.constexpr):
+    offs = tl.arange(0, 16)
+    x = tl.load(x_ptr + offs[:, None] * 16 + offs[None, :])
+    tl.store(y_ptr + offs[:, None] * 16 + offs[None, :], tl.dot(x, x, input_precision=PREC))
+
+
+@pytest.mark.parametrize("prec", ["ieee", "tf32"])
+def test_tf32_products_of_fp32_inputs_are_seen_in_the_compiled_code(prec):
+    x = torch.randn(16, 16)
+    with tritoncompile.recorded(module=__name__) as launches:
+        _fp32_dot_kernel[(1,)](x, torch.empty_like(x), PREC=prec)
+    reports = tritoncompile.compile_launches(launches, archs=(80, 90))
+    assert all(r.ok for r in reports) and [r.tf32 for r in reports] == [prec == "tf32"] * 2
+    if prec == "tf32":
+        with pytest.raises(AssertionError, match="IEEE fp32"):
+            tritoncompile.check_no_tf32(reports, name="fp32", hint="PREC")
+    else:
+        tritoncompile.check_no_tf32(reports, name="fp32", hint="PREC")
+
+
 def test_a_plain_global_runs_in_the_interpreter_but_fails_to_compile_with_the_reason():
     x = torch.ones(16)
     _global_kernel[(1,)](x, BLOCK=16)
