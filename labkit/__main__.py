@@ -89,7 +89,18 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
         missing = [o for o in args.only if not any(h.startswith(o) for h in have)]
         if missing:
             command.error(f"argument --only: no solution notebook starts with {', '.join(missing)}; "
-                         f"the notebooks are {', '.join(have)}; e.g. --only {have[0][:2] if have else '01'}")
+                          f"the notebooks are {', '.join(have)}; e.g. --only {have[0][:2] if have else '01'}")
+    if args.command == "bench" and args.backends and "auto" not in args.backends and not args.vs_direct:
+        from .attention import why_not  # a sweep of nothing but "unsupported" rows: say why, and what runs here
+        from .env import default_device
+
+        device, dtype = default_device(), DTYPES[args.dtype]
+        reasons = [(b, why_not(b, device=device, dtype=dtype, head_dim=d))
+                   for d in args.head_dims for b in args.backends]
+        if all(reason for _, reason in reasons):
+            here = [b for b in BACKENDS if not why_not(b, device=device, dtype=dtype)]
+            command.error(f"argument --backends: none runs here ({reasons[0][0]}: {reasons[0][1].rstrip('.')}); "
+                          f"these do: {', '.join(here)}, auto")
     if args.command == "reference" and not torch.cuda.is_available():
         command.error("reference stores a GPU run's outputs: run it on a machine with a CUDA GPU, after make execute")
 
