@@ -5,8 +5,8 @@ the rule and a valid value; argparse prints it as ``<prog>: error: argument --x:
 usage and exits with status 2, before the command does any work. Checks that need two options
 (``--seq-len`` and ``--nproc``) are made after parsing with ``parser.error``, which answers the same way.
 
-- :func:`integer`, :func:`integers`, :func:`number`: an int (or a comma-separated list of ints,
-  or a float) at least ``minimum``;
+- :func:`integer`, :func:`integers`: an int (or a comma-separated list of ints) at least ``minimum``;
+  :func:`number`: a finite float above ``minimum``;
 - :func:`names`: a comma-separated list of names from a fixed set (:func:`words`: of any names);
   :func:`checked`: a name that a module's own function accepts (its ValueError's message becomes the answer);
 - :func:`folder`: an existing folder (holding a given file); :func:`out_folder`, :func:`out_file`:
@@ -153,7 +153,7 @@ def out_folder(example: str = "build/out") -> Callable[[str], Path]:
 
     def parse(text: str) -> Path:
         path = Path(text)
-        ok = path.is_dir() and os.access(path, os.W_OK) if path.exists() else _writable_from(path)
+        ok = (path.is_dir() and os.access(path, os.W_OK)) if path.exists() else _writable_from(path)
         if not ok:
             kind = "a file, not a folder" if path.is_file() else "not a folder this user can write"
             raise Error(f"{text!r} is {kind}; give an output folder, e.g. {example}")

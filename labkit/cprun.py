@@ -5,6 +5,9 @@
   under ``torchrun`` each rank joins the process group (NCCL on GPUs; gloo on CPU processes, see
   :mod:`labkit.cpcpu`) and a 1-D device mesh, then
   trains (:func:`lk.cptrain.train <labkit.cptrain.train>`) or, with ``--check``, compares with one GPU.
+- :func:`parse`: the options, checked before anything starts (argparse's one line, exit status 2):
+  with P processes the length must split into 2P equal chunks (head-tail load balancing), ``--check``
+  needs 2 or more, and each process a GPU where GPUs are used.
 - :func:`check_attention`: context-parallel SDPA forward and gradients vs single-GPU SDPA.
 - :func:`check_step`: a GPT-2 step's loss and gradients under context parallelism vs one GPU.
 - :func:`launch`: run the command from Python (a notebook) and return its JSON result.
