@@ -73,6 +73,8 @@ MISTAKES = {
          "scores = (query @ key.transpose(-2, -1)) * scale"),
         ("scores cast to value.dtype before the softmax", "torch.softmax(scores, dim=-1).nan_to_num(0.0)",
          "torch.softmax(scores.to(value.dtype), dim=-1).nan_to_num(0.0)"),
+        ("query scaled in bf16 before the upcast", "scores = (query.to(acc) @ key.to(acc).transpose(-2, -1)) * scale",
+         "scores = (query * scale).to(acc) @ key.to(acc).transpose(-2, -1)"),
         ("own softmax with bf16 max and sum", "probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)",
          "low = scores.to(value.dtype)\n    e = (low - low.amax(-1, keepdim=True)).exp()\n"
          "    probs = (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)"),
