@@ -38,8 +38,9 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     with the model's backend (``config.labkit_backend``, else :data:`DEFAULT_BACKEND`), causal,
     without NaN check or sync. One query (decoding with a KV cache) sees every cached key, so it
     runs non-causal, and under "auto" on "reference" (shapes change every token; "auto" would
-    re-time them). A padding mask or dropout goes to PyTorch SDPA with that mask: the FlashAttention
-    kernels take neither (a fully masked row gives 0, as in transformers' "sdpa").
+    re-time them). A padding mask goes to PyTorch SDPA with that mask (the FlashAttention kernels take
+    none; a fully masked row gives 0, as in transformers' "sdpa"), and so does dropout: ``lk.attention``
+    has no dropout argument (flash-attn 2 and SDPA's kernels have one, FA4 has none).
 
     Args:
         module: the calling GPT2Attention (reads ``config``, ``is_causal``, ``scaling``).
