@@ -8,12 +8,14 @@ imports triton, and a notebook calls :func:`setup` to check it. The same kernel 
 CPU tensors through numpy (grading, CI, laptops) and on CUDA tensors as GPU code; :func:`device` is
 where the kernels' tensors must live.
 
-Two probes serve the tests of a student's kernels:
+Three probes serve the tests of a student's kernels:
 
 - :func:`launches` counts the kernel launches of functions defined in the notebook (``__main__``),
   so an answer that never launches a Triton kernel (PyTorch only) is caught.
 - :func:`loaded_elements` counts the elements the interpreter loads, so skipping work (a causal
   tile skipped, not just masked) is visible on a CPU.
+- :func:`int32_overflows` drives a kernel with offsets past 2^31 elements on tiny tensors and counts
+  int32 overflow, so 32-bit address arithmetic is visible on a CPU.
 
 :func:`setup` also makes a launch of an autotuned kernel that passes a tuned meta-parameter
 (``BLOCK_M=...``) fail with a message naming the cause.
@@ -23,7 +25,7 @@ Two probes serve the tests of a student's kernels:
         kernel[grid](...)
     n["kernel"]                           # 1
 
-Used in: 06_triton_flashattention.
+Used in: 06_triton_flashattention, 08_decode_attention.
 """
 from __future__ import annotations
 
