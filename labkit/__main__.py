@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -94,13 +95,15 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
         from .attention import why_not  # a sweep of nothing but "unsupported" rows: say why, and what runs here
         from .env import default_device
 
-        device, dtype = default_device(), DTYPES[args.dtype]
-        reasons = [(b, why_not(b, device=device, dtype=dtype, head_dim=d))
-                   for d in args.head_dims for b in args.backends]
-        if all(reason for _, reason in reasons):
+        device, dtype, first = default_device(), DTYPES[args.dtype], ""
+        for backend, head_dim in itertools.product(args.backends, args.head_dims):  # up to the first that runs
+            reason = why_not(backend, device=device, dtype=dtype, head_dim=head_dim)
+            if reason is None:
+                break
+            first = first or f"{backend}: {reason.rstrip('.')}"
+        else:
             here = [b for b in BACKENDS if not why_not(b, device=device, dtype=dtype)]
-            command.error(f"argument --backends: none runs here ({reasons[0][0]}: {reasons[0][1].rstrip('.')}); "
-                          f"these do: {', '.join(here)}, auto")
+            command.error(f"argument --backends: none runs here ({first}); these do: {', '.join(here)}, auto")
     if args.command == "reference" and not torch.cuda.is_available():
         command.error("reference stores a GPU run's outputs: run it on a machine with a CUDA GPU, after make execute")
 
