@@ -14,7 +14,9 @@ RULES = {
         'causal bottom-right with N < Nk, decode N=1 and N > Nk',
         'fully masked rows: o = 0, lse = -inf, no NaN',
         'scores near +-1e4: per-row max subtraction',
+        'row max taken after masking (hidden keys with the largest scores)',
         'fp64 inputs computed in fp64',
+        'bf16/fp16 inputs: statistics (m, l, lse) in fp32, by the 2x rule',
     ],
     'ex2_score_matrix_bytes': [
         'B*H*N^2 times the element size in bytes (not bits)',
@@ -26,7 +28,8 @@ RULES = {
         'no torch.softmax',
         'running max: values ~1e4 of both signs do not overflow',
         '-inf entries, leading all -inf blocks: no NaN',
-        'fp64 computed in fp64; result in the input dtype (fp32, fp64, bf16)',
+        'fp64 computed in fp64; result in the input dtype (fp32, fp64, bf16, fp16)',
+        'bf16/fp16 inputs: running max and sum in fp32, by the 2x rule (long rows, many blocks)',
         'reads x only in slices of <= block_size columns',
     ],
     'ex4_flash_forward': [
@@ -38,7 +41,9 @@ RULES = {
         'causal tiles above the diagonal are skipped (NaN V never read)',
         'skip bound keeps the tile the diagonal crosses (N=63, Nk=64, 16-row blocks)',
         'scores near +-1e4: running max in every tile',
+        'tile max taken after the causal mask',
         'fp64 accumulators for fp64 inputs',
+        'bf16/fp16 inputs: m, l and the O accumulator in fp32 across tiles, by the 2x rule',
         'no N x Nk tensor',
     ],
     'ex5a_flash_backward': [
@@ -49,6 +54,7 @@ RULES = {
         'fp64 accumulators for fp64 inputs',
         'skip start keeps the tile the diagonal crosses (N=63, Nk=64, 16-row blocks)',
         'causal tiles above the diagonal are skipped (NaN dO never read)',
+        'bf16/fp16 inputs: dq, dk, dv accumulated in fp32, by the 2x rule (many tiles)',
     ],
     'ex5b_flash_function': [
         'own code: no labkit, SDPA or torch.softmax',
@@ -56,8 +62,50 @@ RULES = {
         'o and gradients match autograd through the reference, causal and not',
         'is_causal reaches backward; None gradient for it',
         'causal bottom-right with N < Nk and N > Nk through the Function, in fp64',
+        'no N x N tensor built in the forward or the backward (no standard_attention, no autograd through it)',
     ],
 }
+
+
+# Blocks of the answers that the multi-line mistakes below rewrite (each occurs once in its answer).
+_EX1_MASK = """    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale       # [..., N, Nk]: the full score matrix
+    keep = None
+    if is_causal:                                               # bottom-right aligned
+        keep = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n)
+    if mask is not None:
+        keep = mask if keep is None else keep & mask
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)                            # [..., N, 1] row max
+"""
+_EX1_SOFTMAX = """    m = s.amax(dim=-1, keepdim=True)                            # [..., N, 1] row max
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # fully masked row: avoid -inf - (-inf)
+    p = torch.exp(s - m)                                        # every entry <= 1: no overflow
+    l = p.sum(dim=-1, keepdim=True)                             # [..., N, 1]
+    lse = (m + torch.log(l)).squeeze(-1)                        # [..., N]; -inf for a fully masked row
+    p = p / torch.where(l > 0, l, torch.ones_like(l))           # a fully masked row stays all zero
+    return (p @ v.to(acc)).to(q.dtype), lse
+"""
+_EX4_HEAD = """    acc = torch.promote_types(q.dtype, torch.float32)              # fp32 accumulators (fp64 for gradcheck)
+    *lead, n, d = q.shape
+    nk = k.shape[-2]
+    scale = d ** -0.5
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)       # [..., N, d]
+    lse = torch.empty((*lead, n), dtype=acc, device=q.device)      # [..., N]
+"""
+_EX4_TILE = """            if is_causal and j1 - 1 > i0 + nk - n:                 # the tile crosses the diagonal
+                rows = torch.arange(i0, i1, device=q.device)[:, None] + (nk - n)
+                cols = torch.arange(j0, j1, device=q.device)[None, :]
+                s = s.masked_fill(cols > rows, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+"""
+_EX5A_ZEROS = """    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+"""
+_EX5B_BACKWARD = """        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, is_causal=ctx.is_causal)
+"""
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(nk - n)', '.tril()'),
@@ -93,7 +141,16 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                             ('SDPA for the output',
                              'return (p @ v.to(acc)).to(q.dtype), lse',
                              'return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, '
-                             'scale=scale), lse')],
+                             'scale=scale), lse'),
+                            ('row max taken before masking', _EX1_MASK,
+                             _EX1_MASK.replace("    keep = None\n", "    m = s.amax(dim=-1, keepdim=True)\n    keep = None\n", 1)
+                             .replace("    m = s.amax(dim=-1, keepdim=True)                            # [..., N, 1] row max\n", "")),
+                            ('softmax statistics in the input dtype, lse cast back to fp32', _EX1_SOFTMAX,
+                             "    s = s.to(q.dtype)\n" + _EX1_SOFTMAX
+                             .replace("lse = (m + torch.log(l)).squeeze(-1)", "lse = (m + torch.log(l)).squeeze(-1).to(acc)")
+                             .replace("return (p @ v.to(acc)).to(q.dtype), lse", "return (p @ v).to(q.dtype), lse")),
+                            ('sum l in the input dtype', 'l = p.sum(dim=-1, keepdim=True)',
+                             'l = p.to(q.dtype).sum(dim=-1, keepdim=True)')],
  'ex2_score_matrix_bytes': [('bf16 size hard-coded', 'dtype.itemsize', '2'),
                             ('float dtypes only', 'dtype.itemsize', '(4 if dtype == torch.float32 else 2)'),
                             ('bits instead of bytes', 'dtype.itemsize', 'torch.finfo(dtype).bits'),
@@ -119,7 +176,10 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                          'xb = x.to(acc)[..., start:start + block_size]'),
                         ('result in the accumulator dtype',
                          'out = torch.empty(x.shape, dtype=x.dtype',
-                         'out = torch.empty(x.shape, dtype=acc')],
+                         'out = torch.empty(x.shape, dtype=acc'),
+                        ('running max and sum in the input dtype',
+                         'acc = torch.promote_types(x.dtype, torch.float32)',
+                         'acc = x.dtype')],
  'ex4_flash_forward': [('causal tiles masked but not skipped',
                         'j_end = max(0, min(nk, i1 + nk - n)) if is_causal else nk',
                         'j_end = nk'),
@@ -149,7 +209,17 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                         'acc = q.dtype'),
                        ('SDPA for the output',
                         'return o, lse',
-                        'return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal), lse')],
+                        'return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal), lse'),
+                       ('accumulators in the input dtype, lse stored as fp32', _EX4_HEAD,
+                        _EX4_HEAD.replace("acc = torch.promote_types(q.dtype, torch.float32)", "acc = q.dtype")
+                        .replace("lse = torch.empty((*lead, n), dtype=acc",
+                                 "lse = torch.empty((*lead, n), dtype=torch.promote_types(q.dtype, torch.float32)")),
+                       ('O accumulator rounded to the input dtype each tile',
+                        'acc_o = alpha * acc_o + p @ vj',
+                        'acc_o = (alpha * acc_o + p @ vj).to(q.dtype)'),
+                       ('tile max taken before the causal mask', _EX4_TILE,
+                        "            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))\n"
+                        + _EX4_TILE.rsplit("            m_new", 1)[0])],
  'ex5a_flash_backward': [('causal start ignores Nk - N', '(max(0, j0 - (nk - n)) // block_m)', '(j0 // block_m)'),
                          ('skip start off by one',
                           '(max(0, j0 - (nk - n)) // block_m)',
@@ -177,7 +247,12 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                          ('autograd through standard attention',
                           'return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)',
                           'q, k, v = (t.detach().requires_grad_() for t in (q, k, v))\n'
-                          '    return torch.autograd.grad(standard_attention(q, k, v, is_causal=is_causal)[0], (q, k, v), do)')],
+                          '    return torch.autograd.grad(standard_attention(q, k, v, is_causal=is_causal)[0], (q, k, v), do)'),
+                         ('everything in the input dtype (gradients of bf16 sums)',
+                          'acc = torch.promote_types(q.dtype, torch.float32)',
+                          'acc = q.dtype'),
+                         ('dq, dk, dv accumulated in the input dtype', _EX5A_ZEROS,
+                          _EX5A_ZEROS.replace("dtype=acc", "dtype=q.dtype"))],
  'ex5b_flash_function': [('causal flag lost for backward', 'ctx.is_causal = is_causal', 'ctx.is_causal = False'),
                          ('forward ignores is_causal',
                           'flash_attention_forward(q, k, v, is_causal=is_causal)',
@@ -190,7 +265,16 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                          ('extra statistic saved',
                           'ctx.save_for_backward(q, k, v, o, lse)',
                           'ctx.save_for_backward(q, k, v, o, lse, torch.exp(lse))'),
-                         ('no gradient slot for is_causal', 'return dq, dk, dv, None', 'return dq, dk, dv')]}
+                         ('no gradient slot for is_causal', 'return dq, dk, dv, None', 'return dq, dk, dv'),
+                         ('forward through standard_attention (N x N scores)',
+                          'flash_attention_forward(q, k, v, is_causal=is_causal)',
+                          'standard_attention(q, k, v, is_causal=is_causal)'),
+                         ('backward by autograd through standard_attention', _EX5B_BACKWARD,
+                          """        q, k, v, o, lse = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            dq, dk, dv = torch.autograd.grad(standard_attention(q, k, v, is_causal=ctx.is_causal)[0], (q, k, v), do)
+""")]}
 
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}
@@ -198,7 +282,7 @@ HIDDEN_ONLY = {}
 # grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
 FITTED = {
     'ex1_standard_attention': [('bottom-right offset only for the visible shapes', '.tril(nk - n)',
-                                '.tril(nk - n if n in (1, 12, 20) else 0)')],
+                                '.tril(nk - n if n in (1, 12, 20, 48) else 0)')],
     'ex2_score_matrix_bytes': [('element sizes of the visible dtypes only', 'dtype.itemsize',
                                 '{torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8, '
                                 'torch.int8: 1}[dtype]')],
@@ -208,9 +292,9 @@ FITTED = {
                             '    if block_size not in (8, 12, 16, 32, 100, 128):\n'
                             '        block_size = x.shape[-1]\n')],
     'ex4_flash_forward': [('tile mask offset only for the visible shapes', '[:, None] + (nk - n)',
-                           '[:, None] + (nk - n if n in (1, 24, 40, 57, 63) else 0)')],
+                           '[:, None] + (nk - n if n in (1, 24, 40, 48, 57, 63) else 0)')],
     'ex5a_flash_backward': [('tile mask offset only for the visible shapes', '[:, None] + (nk - n)',
-                             '[:, None] + (nk - n if n in (24, 57, 63) else 0)')],
+                             '[:, None] + (nk - n if n in (24, 57, 63, 128) else 0)')],
     'ex5b_flash_function': [('lse saved as [B, H, N] (4-D inputs only)',
                              'ctx.save_for_backward(q, k, v, o, lse)',
                              'ctx.save_for_backward(q, k, v, o, lse.reshape(-1, *lse.shape[-2:]))')],
