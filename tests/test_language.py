@@ -87,16 +87,16 @@ _AFTER = re.compile(rf"^s?\s*[（(]\s*[{_CJK}]")
 
 
 def prose(path: Path) -> str:
-    """The markdown cells of a notebook, inline code blanked out."""
+    """The markdown cells of a notebook."""
     import json
 
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-    text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
-    return re.sub(r"`[^`\n]*`", lambda m: " " * len(m[0]), text)
+    return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
 
 
 def unglossed(text: str) -> list[str]:
-    """Terms of GLOSSED whose first use in ``text`` has no Chinese gloss beside it."""
+    """Terms of GLOSSED whose first use in ``text`` (inline code blanked out) has no Chinese gloss beside it."""
+    text = re.sub(r"`[^`\n]*`", lambda m: " " * len(m[0]), text)
     missing = []
     for term in GLOSSED:
         m = re.search(rf"(?<![A-Za-z_-]){re.escape(term)}(?=s?(?![A-Za-z_]))", text)
