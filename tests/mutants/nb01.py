@@ -63,6 +63,7 @@ RULES = {
         'is_causal reaches backward; None gradient for it',
         'causal bottom-right with N < Nk and N > Nk through the Function, in fp64',
         'no N x N tensor built in the forward or the backward (no standard_attention, no autograd through it)',
+        'backward calls flash_attention_backward: no autograd inside it',
     ],
 }
 
@@ -274,6 +275,13 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
         with torch.enable_grad():
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             dq, dk, dv = torch.autograd.grad(standard_attention(q, k, v, is_causal=ctx.is_causal)[0], (q, k, v), do)
+"""),
+                         ('backward by autograd through the tiled forward', _EX5B_BACKWARD,
+                          """        q, k, v, o, lse = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            o = flash_attention_forward(q, k, v, is_causal=ctx.is_causal)[0]
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
 """)]}
 
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
