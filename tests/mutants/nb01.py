@@ -8,7 +8,7 @@ RULES = {
     'ex1_standard_attention': [
         'own softmax/LSE: no labkit, SDPA, torch.softmax or logsumexp',
         'o and lse match the reference (fp32)',
-        'o in q.dtype, lse [..., N] in fp32 (fp32 for bf16, fp64 for fp64 inputs)',
+        'o in q.dtype, lse [..., N] in fp32 (fp32 for bf16/fp16, fp64 for fp64 inputs)',
         'mask argument honoured ([B, 1, N, Nk] and [N, Nk]), AND-ed with is_causal',
         'scale argument honoured',
         'causal bottom-right with N < Nk, decode N=1 and N > Nk',
@@ -35,7 +35,7 @@ RULES = {
     'ex4_flash_forward': [
         'own code: no labkit, SDPA or torch.softmax',
         'o and lse match the reference, N not a multiple of the blocks',
-        'o in q.dtype, lse in the accumulator dtype (fp32 for fp32/bf16, fp64 for fp64)',
+        'o in q.dtype, lse in the accumulator dtype (fp32 for fp32/bf16/fp16, fp64 for fp64)',
         'causal bottom-right with N < Nk, decode N=1 and N > Nk',
         'rows that see no key: o = 0, lse = -inf, no NaN',
         'causal tiles above the diagonal are skipped (NaN V never read)',
@@ -49,7 +49,7 @@ RULES = {
     'ex5a_flash_backward': [
         'own code: no labkit, autograd, SDPA or torch.softmax',
         'dq, dk, dv match autograd through the reference (scale on dq and dk, D term)',
-        'gradients in the input dtype (fp32, fp64, bf16)',
+        'gradients in the input dtype (fp32, fp64, bf16, fp16)',
         'causal bottom-right with N < Nk and N > Nk; rows that see no key give 0, no NaN',
         'fp64 accumulators for fp64 inputs',
         'skip start keeps the tile the diagonal crosses (N=63, Nk=64, 16-row blocks)',
