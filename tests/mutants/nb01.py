@@ -220,7 +220,13 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                         'acc_o = (alpha * acc_o + p @ vj).to(q.dtype)'),
                        ('tile max taken before the causal mask', _EX4_TILE,
                         "            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))\n"
-                        + _EX4_TILE.rsplit("            m_new", 1)[0])],
+                        + _EX4_TILE.rsplit("            m_new", 1)[0]),
+                       ('tile mask cut from a full N x Nk causal mask',
+                        '''                rows = torch.arange(i0, i1, device=q.device)[:, None] + (nk - n)
+                cols = torch.arange(j0, j1, device=q.device)[None, :]
+                s = s.masked_fill(cols > rows, float("-inf"))''',
+                        '''                full = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n)
+                s = s.masked_fill(~full[i0:i1, j0:j1], float("-inf"))''')],
  'ex5a_flash_backward': [('causal start ignores Nk - N', '(max(0, j0 - (nk - n)) // block_m)', '(j0 // block_m)'),
                          ('skip start off by one',
                           '(max(0, j0 - (nk - n)) // block_m)',
