@@ -277,11 +277,12 @@ def loaded_globals(fn: Callable) -> dict:
 
 
 def _attributes_read(fn: Callable) -> set[str]:
-    """Attribute names ``fn``'s code reads (``x.softmax``, ``torch.nn.functional.layer_norm``)."""
+    """Attribute names ``fn``'s code reads (``x.softmax``, ``torch.nn.functional.layer_norm``, and
+    ``from torch.nn.functional import layer_norm as ln`` inside ``fn``)."""
     import dis
 
     return {ins.argval for code in _code_objects(fn) for ins in dis.get_instructions(code)
-            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD")}
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_FROM")}
 
 
 def _names(source: str) -> set[str]:

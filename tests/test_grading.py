@@ -262,6 +262,15 @@ def test_check_own_code_refuses_a_forbidden_function_under_another_name():
     assert "renamed_layer_norm" in fails(G.check_own_code, layer_norm_renamed, name="ln", forbid=(F.layer_norm,))
 
 
+def layer_norm_imported_inside(x):
+    from torch.nn.functional import layer_norm as ln
+    return ln(x, x.shape[-1:])
+
+
+def test_check_own_code_refuses_a_forbidden_function_imported_inside_the_answer():
+    assert ".layer_norm" in fails(G.check_own_code, layer_norm_imported_inside, name="ln", forbid=(F.layer_norm,))
+
+
 def test_check_own_code_accepts_the_computation_written_out():
     G.check_own_code(softmax_by_hand, name="softmax", forbid=FORBID)
     G.check_own_code(softmax_by_function, name="softmax")  # nothing forbidden: only labkit is refused

@@ -19,12 +19,13 @@ RULES = {
         "max_abs, mean_abs, rel_l2, cosine formulas",
         "float64 computation: fp16 candidate with norm > 65504, any shape",
         "float64 computation: bf16 candidate (norms and dot products not in bf16)",
+        "float64 computation: the difference too (two bf16 inputs far apart)",
         "float64 inputs keep differences below fp32 resolution",
         "ValueError on an all-zero reference",
         "no element-wise division (reference containing 0)",
     ],
     "ex3_layernorm": [
-        "no ready-made normalisation: layer/instance/group/batch/rms norm (F.*, torch.*, nn.* modules)",
+        "no ready-made normalisation: layer/instance/group/batch/rms norm (F.*, torch.*, nn.* modules, also imported inside the answer)",
         "output in x.dtype (fp16, bf16, fp32)",
         "normalizes the last dim, applies weight and bias",
         "fp32 two-pass statistics: large mean, small spread in fp16 and bf16",
@@ -33,6 +34,7 @@ RULES = {
     ],
     "ex4_policy": [
         "every op during bf16 training (fp32 master weights, optimizer state, residual stream; amp_dtype for linear and flash)",
+        "the same rules under fp16 AMP; without AMP (fp32) every op in fp32",
         "softmax / layernorm_stats / loss stay fp32 at inference",
         "weights and residual_stream at inference: fp32 or amp_dtype both accepted",
         "ValueError (with a message) for flash_attention with fp32",
@@ -73,6 +75,7 @@ MISTAKES = {
          "c = candidate.detach().double()\n    r = reference.detach().double()"),
         ("zero reference accepted", "if r_norm == 0:", "if False:"),
         ("ValueError when any element is 0", "if r_norm == 0:", "if (r == 0).any():"),
+        ("difference taken in the input dtype", "d = c - r", "d = (candidate - reference).detach().double().flatten()"),
         ("cosine without |r|", "(c @ r / (c.norm() * r_norm))", "(c @ r / c.norm())"),
         ("tensors instead of floats",
          '{"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(),\n'
@@ -121,6 +124,9 @@ MISTAKES = {
          "y = F.rms_norm(x32 - mean, x.shape[-1:], eps=eps)"),
         ("torch.rms_norm of the centred input", "y = (x32 - mean) / torch.sqrt(var + eps)",
          "y = torch.rms_norm(x32 - mean, x.shape[-1:], eps=eps)"),
+        ("F.layer_norm imported inside the answer, on fp32",
+         "y = (x32 - mean) / torch.sqrt(var + eps)\n    y = y * weight.float() + bias.float()",
+         "from torch.nn.functional import layer_norm as ln\n    y = ln(x32, x.shape[-1:], weight.float(), bias.float(), eps)"),
     ],
     "ex4_policy": [
         ("half-precision weights while training",
@@ -137,6 +143,19 @@ MISTAKES = {
          "return torch.float32                       # tensor cores"),
         ("optimizer state in half", 'if op == "linear":', 'if op in ("linear", "optimizer_state"):'),
         ("LayerNorm statistics in half", 'if op == "linear":', 'if op in ("linear", "layernorm_stats"):'),
+        ("linear hard-coded to bf16", "return amp_dtype                       # tensor cores",
+         "return torch.bfloat16                       # tensor cores"),
+        ("flash_attention hard-coded to bf16",
+         "            raise ValueError(\"FlashAttention has no fp32 path: use float16/bfloat16 or a non-flash backend\")\n"
+         "        return amp_dtype",
+         "            raise ValueError(\"FlashAttention has no fp32 path: use float16/bfloat16 or a non-flash backend\")\n"
+         "        return torch.bfloat16"),
+        ("linear kept fp32 under fp16 AMP (overflow feared)", "return amp_dtype                       # tensor cores",
+         "return amp_dtype if amp_dtype == torch.bfloat16 else torch.float32  # tensor cores"),
+        ("no AMP: linear in bf16 anyway", "return amp_dtype                       # tensor cores",
+         "return torch.bfloat16 if amp_dtype == torch.float32 else amp_dtype  # tensor cores"),
+        ("fp16 residual stream while training", 'if op == "linear":',
+         'if op == "linear" or (op == "residual_stream" and amp_dtype == torch.float16):'),
     ],
 }
 
@@ -170,12 +189,8 @@ FITTED = {
         ("eps hard-coded to the default", "torch.sqrt(var + eps)", "torch.sqrt(var + 1e-5)"),
     ],
     "ex4_policy": [
-        ("linear hard-coded to bf16", "return amp_dtype                       # tensor cores",
-         "return torch.bfloat16                       # tensor cores"),
-        ("flash_attention hard-coded to bf16",
-         "            raise ValueError(\"FlashAttention has no fp32 path: use float16/bfloat16 or a non-flash backend\")\n"
-         "        return amp_dtype",
-         "            raise ValueError(\"FlashAttention has no fp32 path: use float16/bfloat16 or a non-flash backend\")\n"
-         "        return torch.bfloat16"),
+        ("unknown op refused only under the visible name", "if op not in POLICY_OPS:", 'if op == "attention":'),
+        ("fp32 FlashAttention refused only while training", "if amp_dtype not in (torch.float16, torch.bfloat16):",
+         "if training and amp_dtype not in (torch.float16, torch.bfloat16):"),
     ],
 }
