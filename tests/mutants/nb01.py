@@ -6,7 +6,7 @@ SETUP = ['P = lk.profiles.choose(']
 # grade_id -> the rules its visible tests check
 RULES = {
     'ex1_standard_attention': [
-        'own softmax/LSE: no labkit, SDPA, torch.softmax or logsumexp',
+        'own softmax/LSE: no labkit, SDPA, torch.softmax, log_softmax or logsumexp',
         'o and lse match the reference (fp32)',
         'o in q.dtype, lse [..., N] in fp32 (fp32 for bf16/fp16, fp64 for fp64 inputs)',
         'mask argument honoured ([B, 1, N, Nk] and [N, Nk]), AND-ed with is_causal',
@@ -17,19 +17,22 @@ RULES = {
         'row max taken after masking (hidden keys with the largest scores)',
         'fp64 inputs computed in fp64',
         'bf16/fp16 inputs: statistics (m, l, lse) in fp32, by the 2x rule',
+        'bf16/fp16 inputs: lse within 1e-4 of float64 (scores, exp and sums in fp32)',
     ],
     'ex2_score_matrix_bytes': [
         'B*H*N^2 times the element size in bytes (not bits)',
-        'element size right for 8-, 4-, 2- and 1-byte dtypes (float and int)',
+        'element size right for 8-, 4-, 2- and 1-byte dtypes (float, int and bool)',
         'returns a Python int',
     ],
     'ex3_online_softmax': [
         'matches torch.softmax for block sizes that do and do not divide N',
-        'no torch.softmax',
+        'no torch.softmax, log_softmax or logsumexp',
         'running max: values ~1e4 of both signs do not overflow',
+        'rows of values near -1e4 only: running max starts at -inf, not 0',
         '-inf entries, leading all -inf blocks: no NaN',
         'fp64 computed in fp64; result in the input dtype (fp32, fp64, bf16, fp16)',
         'bf16/fp16 inputs: running max and sum in fp32, by the 2x rule (long rows, many blocks)',
+        'bf16 values near 100: statistics (m, l, m + log l) not rounded to bf16, by the 2x rule',
         'reads x only in slices of <= block_size columns',
     ],
     'ex4_flash_forward': [
@@ -44,6 +47,7 @@ RULES = {
         'tile max taken after the causal mask',
         'fp64 accumulators for fp64 inputs',
         'bf16/fp16 inputs: m, l and the O accumulator in fp32 across tiles, by the 2x rule',
+        'bf16/fp16 inputs: lse within 1e-4 of float64 (tile scores and exp in fp32)',
         'no N x Nk tensor',
     ],
     'ex5a_flash_backward': [
@@ -58,7 +62,7 @@ RULES = {
     ],
     'ex5b_flash_function': [
         'own code: no labkit, SDPA or torch.softmax',
-        'forward returns o only; saves exactly one lse of shape [..., N]',
+        'forward returns o only; saves exactly q, k, v, o and one lse of shape [..., N]',
         'o and gradients match autograd through the reference, causal and not',
         'is_causal reaches backward; None gradient for it',
         'causal bottom-right with N < Nk and N > Nk through the Function, in fp64',
@@ -103,6 +107,16 @@ _EX4_TILE = """            if is_causal and j1 - 1 > i0 + nk - n:               
 _EX5A_ZEROS = """    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+"""
+_EX5B_SAVED = """        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal = is_causal
+        return o
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, do):
+        ### BEGIN SOLUTION
+        q, k, v, o, lse = ctx.saved_tensors
 """
 _EX5B_BACKWARD = """        q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, is_causal=ctx.is_causal)
@@ -151,13 +165,29 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                              .replace("lse = (m + torch.log(l)).squeeze(-1)", "lse = (m + torch.log(l)).squeeze(-1).to(acc)")
                              .replace("return (p @ v.to(acc)).to(q.dtype), lse", "return (p @ v).to(q.dtype), lse")),
                             ('sum l in the input dtype', 'l = p.sum(dim=-1, keepdim=True)',
-                             'l = p.to(q.dtype).sum(dim=-1, keepdim=True)')],
+                             'l = p.to(q.dtype).sum(dim=-1, keepdim=True)'),
+                            ('log_softmax for the weights',
+                             'p = p / torch.where(l > 0, l, torch.ones_like(l))',
+                             'p = torch.log_softmax(s, dim=-1).exp().nan_to_num(0.0)'),
+                            ('scores from a bf16/fp16 matmul, statistics in fp32',
+                             's = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale',
+                             's = (q @ k.transpose(-2, -1)).to(acc) * scale'),
+                            ('s - m rounded to the input dtype before exp', 'p = torch.exp(s - m)',
+                             'p = torch.exp((s - m).to(q.dtype)).to(acc)'),
+                            ('mask polarity inverted (True = hide)',
+                             'keep = mask if keep is None else keep & mask',
+                             'keep = ~mask if keep is None else keep & ~mask'),
+                            ('causal OR-ed with the mask',
+                             'keep = mask if keep is None else keep & mask',
+                             'keep = mask if keep is None else keep | mask')],
  'ex2_score_matrix_bytes': [('bf16 size hard-coded', 'dtype.itemsize', '2'),
                             ('float dtypes only', 'dtype.itemsize', '(4 if dtype == torch.float32 else 2)'),
                             ('bits instead of bytes', 'dtype.itemsize', 'torch.finfo(dtype).bits'),
                             ('bits divided by 8 (a float)', 'dtype.itemsize', 'torch.finfo(dtype).bits / 8'),
                             ('N not squared', 'int(seq_len) ** 2', 'int(seq_len)'),
-                            ('heads ignored', 'int(batch) * int(heads) *', 'int(batch) *')],
+                            ('heads ignored', 'int(batch) * int(heads) *', 'int(batch) *'),
+                            ('bits // 8 from finfo/iinfo (bool has neither)', 'dtype.itemsize',
+                             '((torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8)')],
  'ex3_online_softmax': [('missing rescale of l', 'l = l * torch.exp(m - shift) +', 'l = l +'),
                         ('-inf - -inf trap',
                          'shift = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)',
@@ -180,7 +210,16 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                          'out = torch.empty(x.shape, dtype=acc'),
                         ('running max and sum in the input dtype',
                          'acc = torch.promote_types(x.dtype, torch.float32)',
-                         'acc = x.dtype')],
+                         'acc = x.dtype'),
+                        ('running max starts at 0',
+                         'm = torch.full(stats, float("-inf"), dtype=acc, device=x.device)',
+                         'm = torch.zeros(stats, dtype=acc, device=x.device)'),
+                        ('second pass divides by exp(lse) rounded to the input dtype',
+                         '(torch.exp(xb - m) / l)',
+                         'torch.exp(xb - (m + torch.log(l)).to(x.dtype).to(acc))'),
+                        ('logsumexp of each block',
+                         'l = l * torch.exp(m - shift) + torch.exp(xb - shift).sum(dim=-1, keepdim=True)',
+                         'l = l * torch.exp(m - shift) + torch.exp(torch.logsumexp(xb, dim=-1, keepdim=True) - shift)')],
  'ex4_flash_forward': [('causal tiles masked but not skipped',
                         'j_end = max(0, min(nk, i1 + nk - n)) if is_causal else nk',
                         'j_end = nk'),
@@ -226,7 +265,11 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                 cols = torch.arange(j0, j1, device=q.device)[None, :]
                 s = s.masked_fill(cols > rows, float("-inf"))''',
                         '''                full = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n)
-                s = s.masked_fill(~full[i0:i1, j0:j1], float("-inf"))''')],
+                s = s.masked_fill(~full[i0:i1, j0:j1], float("-inf"))'''),
+                       ('tile scores from a bf16/fp16 matmul', 's = qi @ kj.transpose(-2, -1)',
+                        's = (q[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-2, -1)).to(acc) * scale'),
+                       ('exp of tile scores in the input dtype', 'p = torch.exp(s - shift)',
+                        'p = torch.exp((s - shift).to(q.dtype)).to(acc)')],
  'ex5a_flash_backward': [('causal start ignores Nk - N', '(max(0, j0 - (nk - n)) // block_m)', '(j0 // block_m)'),
                          ('skip start off by one',
                           '(max(0, j0 - (nk - n)) // block_m)',
@@ -288,7 +331,15 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
             o = flash_attention_forward(q, k, v, is_causal=ctx.is_causal)[0]
             dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
-""")]}
+"""),
+                         ('o not saved: the forward recomputed in backward', _EX5B_SAVED,
+                          _EX5B_SAVED.replace("ctx.save_for_backward(q, k, v, o, lse)", "ctx.save_for_backward(q, k, v, lse)")
+                          .replace("q, k, v, o, lse = ctx.saved_tensors",
+                                   "q, k, v, lse = ctx.saved_tensors\n        o, _ = flash_attention_forward(q, k, v, is_causal=ctx.is_causal)")),
+                         ('is_causal saved as a tensor', _EX5B_SAVED,
+                          _EX5B_SAVED.replace("ctx.save_for_backward(q, k, v, o, lse)",
+                                              "ctx.save_for_backward(q, k, v, o, lse, torch.tensor(is_causal))")
+                          .replace("q, k, v, o, lse = ctx.saved_tensors", "q, k, v, o, lse, _flag = ctx.saved_tensors"))]}
 
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}
@@ -299,7 +350,7 @@ FITTED = {
                                 '.tril(nk - n if n in (1, 12, 20, 48) else 0)')],
     'ex2_score_matrix_bytes': [('element sizes of the visible dtypes only', 'dtype.itemsize',
                                 '{torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8, '
-                                'torch.int8: 1}[dtype]')],
+                                'torch.int8: 1, torch.bool: 1}[dtype]')],
     'ex3_online_softmax': [('blocks only for the visible block sizes',
                             '    acc = torch.promote_types(x.dtype, torch.float32)\n',
                             '    acc = torch.promote_types(x.dtype, torch.float32)\n'
