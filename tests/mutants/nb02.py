@@ -15,6 +15,7 @@ RULES = {
         "fully masked rows give 0, not NaN",
         "scores in the thousands do not overflow (max subtracted)",
         "output dtype follows value (bf16 in, bf16 out)",
+        "fp64 inputs computed in fp64 (atol 1e-12)",
         "precision rule: scores and softmax in fp32 for bf16/fp16 inputs (2x rule against float64, large scores)",
     ],
     "ex2_register": [
@@ -23,6 +24,7 @@ RULES = {
         "a mask function registered under the same name, and it is sdpa_mask",
         "a left-padded row gives its unpadded logits (the mask is applied)",
         "ValueError for a name containing 'flash' anywhere",
+        "a refused name is registered in neither table",
     ],
     "ex3_agreement": [
         "no labkit",
@@ -30,12 +32,14 @@ RULES = {
         "relative L2 error against fp32 eager without autocast",
         "baseline is eager under autocast; candidate under the same autocast",
         "ok = err_impl <= factor * err_eager + 1e-6 with the factor passed",
+        "eager against itself with factor=1: equal errors, ok (<=, not <)",
         "a wrong implementation (no scaling) does not pass",
         "model.eval() first: dropout off",
     ],
     "ex4_padding": [
         "returns three torch.long tensors [B, L]",
         "left and right padding put the tokens on the right side",
+        "width L is the longest sequence's length (not the first's)",
         "pads filled with pad_id (not 0)",
         "attention_mask 1 for tokens, 0 for pads",
         "position_ids count from the first real token; 0 on pads, both sides",
@@ -78,6 +82,12 @@ MISTAKES = {
         ("own softmax with bf16 max and sum", "probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)",
          "low = scores.to(value.dtype)\n    e = (low - low.amax(-1, keepdim=True)).exp()\n"
          "    probs = (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)"),
+        ("fp64 inputs computed in fp32", "acc = torch.promote_types(query.dtype, torch.float32)", "acc = torch.float32"),
+        ("boolean mask added to the scores", 'scores = torch.where(keep, scores, float("-inf"))', "scores = scores + keep"),
+        ("output reshaped to [B, N, H, D], not transposed", "return out.transpose(1, 2), None",
+         "return out.reshape(out.shape[0], out.shape[2], out.shape[1], out.shape[3]), None"),
+        ("masked scores set to finfo.min (a fully masked row averages V)", 'scores = torch.where(keep, scores, float("-inf"))',
+         "scores = torch.where(keep, scores, torch.finfo(acc).min)"),
     ],
     "ex2_register": [
         ("mask function not registered", "    AttentionMaskInterface.register(name, sdpa_mask)\n", ""),
@@ -90,6 +100,10 @@ MISTAKES = {
         ("mask function under a fixed name", "AttentionMaskInterface.register(name, sdpa_mask)",
          'AttentionMaskInterface.register("sdpa", sdpa_mask)'),
         ("only names starting with 'flash' refused", 'if "flash" in name.lower():', 'if name.startswith("flash"):'),
+        ("registered before the 'flash' check", 'if "flash" in name.lower():',
+         'AttentionInterface.register(name, fn)\n    if "flash" in name.lower():'),
+        ("eager_mask registered (an additive float mask)", "AttentionMaskInterface.register(name, sdpa_mask)",
+         'AttentionMaskInterface.register(name, __import__("transformers.masking_utils", fromlist=["eager_mask"]).eager_mask)'),
     ],
     "ex3_agreement": [
         ("dropout left on", "    model.eval()\n", ""),
@@ -102,6 +116,8 @@ MISTAKES = {
         ("comparison reversed", "err_impl <= factor * err_eager + 1e-6", "err_eager <= factor * err_impl + 1e-6"),
         ("tensor returned, not a float", 'err_eager = float((logits("eager", True) - ref).norm() / ref_norm)',
          'err_eager = (logits("eager", True) - ref).norm() / ref_norm'),
+        ("strict < without the 1e-6 floor", "err_impl <= factor * err_eager + 1e-6", "err_impl < factor * err_eager"),
+        ("autocast device hard-coded to cuda", "torch.autocast(input_ids.device.type,", 'torch.autocast("cuda",'),
     ],
     "ex4_padding": [
         ("right pads keep the last position", "(attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)",
@@ -116,6 +132,11 @@ MISTAKES = {
          "position_ids = torch.arange(width).repeat(len(seqs), 1)"),
         ("boolean attention_mask", "attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)",
          "attention_mask = torch.zeros((len(seqs), width), dtype=torch.bool)"),
+        ("width from the first sequence", "width = max(len(s) for s in seqs)", "width = len(seqs[0])"),
+        ("left pads get position -1", "(attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)",
+         "(attention_mask.cumsum(-1) - 1)"),
+        ("int32 attention_mask", "attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)",
+         "attention_mask = torch.zeros((len(seqs), width), dtype=torch.int32)"),
     ],
     "ex5_decode": [
         ("no KV cache", "out = model(input_ids=nxt, use_cache=True, **lk.hfcompat.cache_kwarg(model, cache))",
@@ -130,6 +151,10 @@ MISTAKES = {
         ("calls model.generate", "    tokens = [input_ids]\n",
          "    return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,"
          " min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)\n    tokens = [input_ids]\n"),
+        ("position ids restarted at 0 each step", "out = model(input_ids=nxt, use_cache=True,",
+         "out = model(input_ids=nxt, position_ids=torch.zeros_like(nxt), use_cache=True,"),
+        ("sampled instead of argmax", "out.logits[:, -1].argmax(-1, keepdim=True)",
+         "torch.multinomial(out.logits[:, -1].softmax(-1), 1)"),
     ],
 }
 
@@ -141,11 +166,10 @@ FITTED = {
     "ex1_attention": [
         ("scaling hard-coded to the visible 0.5", "scale = d ** -0.5 if scaling is None else scaling",
          "scale = d ** -0.5 if scaling is None else 0.5"),
-        ("output dtype special-cased for bf16", "out = probs.to(value.dtype) @ value",
-         "out = (probs @ value.float()).to(torch.bfloat16 if value.dtype == torch.bfloat16 else torch.float32)"),
     ],
     "ex2_register": [
-        ("only the visible 'flash' name refused", 'if "flash" in name.lower():', 'if name == "my_flash_kernel":'),
+        ("only the visible 'flash' names refused", 'if "flash" in name.lower():',
+         'if name == "my_flash_kernel" or name.startswith("ex2_flash"):'),
     ],
     "ex3_agreement": [
         ("autocast dtype hard-coded to bf16", "dtype=dtype", "dtype=torch.bfloat16"),
