@@ -19,6 +19,9 @@ RULES = {
                           "scores near 1e3: the max subtracted, the state rescaled",
                           "a fully masked tile: no NaN; a row with no key gets o = 0, lse = -inf",
                           "bf16 in: bf16 o, fp32 lse",
+                          "precision (2x rule vs float64, against plain attention in that dtype): bf16 and fp16 o at N = 1000 "
+                          "(63 key tiles): acc kept fp32 in the loop",
+                          "every score near -240 (fp32, a tail tile): the running max starts at -inf and is taken after the mask",
                           "K/V read once per KV head (elements counted)",
                           "64-bit offsets: no int32 overflow when b*N*H_kv*d passes 2^31 (interpreter, sequence 2^22)",
                           "the kernel is launched; no SDPA, softmax or the reference",
@@ -31,6 +34,7 @@ RULES = {
                          "each split reads only its own keys and loops over its own blocks only (elements and "
                          "load lanes counted: no loop over the whole cache masked down to the split)",
                          "64-bit offsets: no int32 overflow with a capacity of 2^26 tokens (interpreter)",
+                         "precision: bf16 and fp16 o_s over N = 1000 by the 2x rule (acc fp32); every score near -240 (fp32)",
                          "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
     "ex4_combine_kernel": ["merged o and lse equal attention over all keys (uneven splits, S = 1, S not a power of 2)",
                            "lse near +-1e4: no overflow (exp only of differences from the max)",
@@ -51,6 +55,7 @@ RULES = {
                          "only tokens within the length read; the loop stops at the length, not the chunk: page-table "
                          "padding (an invalid page id) not read (elements and load lanes counted)",
                          "64-bit offsets: no int32 overflow with page ids from 2^22 (interpreter)",
+                         "precision: bf16 and fp16 o_s over 63 pages by the 2x rule (acc fp32); every score near -240 (fp32)",
                          "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
 }
 
@@ -90,6 +95,15 @@ MISTAKES = {
         ("64-bit cast after the int32 product", "kv_base = b * N * H_KV * HEAD_DIM + j * HEAD_DIM",
          "kv_base = (b.to(tl.int32) * N * H_KV * HEAD_DIM).to(tl.int64) + j * HEAD_DIM"),
         ("no input_precision: the fp32 dot runs in TF32", "s = tl.dot(q, tl.trans(k), input_precision=PREC)", "s = tl.dot(q, tl.trans(k))"),
+        ("acc rounded to the input dtype every tile",
+         "acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)",
+         "acc = (acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)).to(v.dtype).to(tl.float32)"),
+        ("row max taken before masking (masked tail keys read as 0 count)",
+         '    s = tl.where(keep, s, float("-inf"))\n    m_new = tl.maximum(m_i, tl.max(s, 1))\n',
+         '    m_new = tl.maximum(m_i, tl.max(s, 1))\n    s = tl.where(keep, s, float("-inf"))\n'),
+        ("running max initialised to 0",
+         'm_i = tl.full([BLOCK_G], float("-inf"), tl.float32)\n    l_i = tl.zeros([BLOCK_G], tl.float32)\n    kv_base',
+         'm_i = tl.zeros([BLOCK_G], tl.float32)\n    l_i = tl.zeros([BLOCK_G], tl.float32)\n    kv_base'),
     ],
     "ex3_split_kernel": [
         ("floor instead of ceil for the SM fill", "fill = -(-n_sms // (batch * n_kv_heads))", "fill = n_sms // (batch * n_kv_heads)"),
@@ -108,6 +122,8 @@ MISTAKES = {
         ("keys per tile taken from the head size", "offs_n = start + tl.arange(0, BLOCK_N)", "offs_n = start + tl.arange(0, HEAD_DIM)"),
         ("head size and key block mixed (offs_d over BLOCK_N)", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, BLOCK_N)"),
         ("32-bit offsets (program id not widened)", "b = tl.program_id(0).to(tl.int64)", "b = tl.program_id(0)"),
+        ("acc rounded to the input dtype every tile", "        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, inside[None, :], qk_scale, PREC)\n    o, lse = _finish(acc, m_i, l_i)\n", "        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, inside[None, :], qk_scale, PREC)\n        acc = acc.to(k.dtype).to(tl.float32)\n    o, lse = _finish(acc, m_i, l_i)\n"),
+        ("running max initialised to 0", 'm_i = tl.full([BLOCK_G], float("-inf"), tl.float32)', "m_i = tl.zeros([BLOCK_G], tl.float32)"),
     ],
     "ex4_combine_kernel": [
         ("plain average of the partials", "w = tl.exp(lse_s - shift)",
@@ -149,6 +165,10 @@ MISTAKES = {
         ("loop bounded by the chunk, not the length", "for start in range(lo, hi, PAGE_SIZE):",
          "for start in range(lo, lo + CHUNK, PAGE_SIZE):"),
         ("page size and head size mixed", "offs_p = tl.arange(0, PAGE_SIZE)", "offs_p = tl.arange(0, HEAD_DIM)"),
+        ("acc rounded to the input dtype every page", "        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, inside[None, :], qk_scale, PREC)\n    o, lse = _finish(acc, m_i, l_i)\n", "        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, inside[None, :], qk_scale, PREC)\n        acc = acc.to(k.dtype).to(tl.float32)\n    o, lse = _finish(acc, m_i, l_i)\n"),
+        ("running max initialised to 0", 'm_i = tl.full([BLOCK_G], float("-inf"), tl.float32)', "m_i = tl.zeros([BLOCK_G], tl.float32)"),
+        ("K/V token stride without H_KV", "(page * PAGE_SIZE + offs_p)[:, None] * (H_KV * HEAD_DIM)",
+         "(page * PAGE_SIZE + offs_p)[:, None] * HEAD_DIM"),
     ],
 }
 
