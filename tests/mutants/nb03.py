@@ -19,6 +19,7 @@ RULES = {
         "float64 inputs give a float64 scalar, float32 inputs a float32 one",
         "bf16 inputs: softmax and loss in float32 (dtype; 2x rule over 16 losses against float64, autocast as baseline)",
         "no tensor larger than one chunk of logits, forward or backward",
+        "chunk_size is positions per chunk (chunks of 8 over 256 positions), not the number of chunks",
         "no logits kept for the backward",
         "forward + backward peak of a few chunks of logits (one checkpoint around the whole loop fails)",
         "calls no labkit",
@@ -67,6 +68,8 @@ MISTAKES = {
          "zip(h[: len(h) // chunk_size * chunk_size].split(chunk_size), "
          "t[: len(t) // chunk_size * chunk_size].split(chunk_size))"),
         ("all logits at once", "zip(h.split(chunk_size), t.split(chunk_size))", "zip([h], [t])"),
+        ("chunk_size taken as the number of chunks (chunk for split)", "zip(h.split(chunk_size), t.split(chunk_size))",
+         "zip(h.chunk(chunk_size), t.chunk(chunk_size))"),
         ("logits kept for backward", "checkpoint(chunk_loss, hc, weight, tc, use_reentrant=False)", "chunk_loss(hc, weight, tc)"),
         ("weight detached", "checkpoint(chunk_loss, hc, weight, tc,", "checkpoint(chunk_loss, hc, weight.detach(), tc,"),
         ("fp32 for fp64 inputs", "acc = torch.promote_types(hidden.dtype, torch.float32)", "acc = torch.float32"),
