@@ -20,13 +20,14 @@ RULES = {
         "float64 computation: fp16 candidate with norm > 65504, any shape",
         "float64 computation: bf16 candidate (norms and dot products not in bf16)",
         "float64 computation: the difference too (two bf16 inputs far apart)",
+        "cosine of the whole tensor as one vector (2-D, one row wrong), not the mean of row cosines",
         "float64 inputs keep differences below fp32 resolution",
         "ValueError on an all-zero reference",
         "no element-wise division (reference containing 0)",
     ],
     "ex3_layernorm": [
         "no ready-made normalisation: layer/instance/group/batch/rms norm (F.*, torch.*, nn.* modules, also imported inside the answer)",
-        "output in x.dtype (fp16, bf16, fp32)",
+        "output in x.dtype (fp16, bf16, fp32; bf16 x with fp32 weight and bias)",
         "normalizes the last dim, applies weight and bias",
         "fp32 two-pass statistics: large mean, small spread in fp16 and bf16",
         "2x rule (bf16, fp16): statistics and affine in fp32, one rounding at the end (large weight, cancelling bias)",
@@ -77,6 +78,9 @@ MISTAKES = {
         ("ValueError when any element is 0", "if r_norm == 0:", "if (r == 0).any():"),
         ("difference taken in the input dtype", "d = c - r", "d = (candidate - reference).detach().double().flatten()"),
         ("cosine without |r|", "(c @ r / (c.norm() * r_norm))", "(c @ r / c.norm())"),
+        ("cosine per row, averaged", "(c @ r / (c.norm() * r_norm)).item()",
+         "F.cosine_similarity(candidate.detach().double().reshape(-1, candidate.shape[-1]),\n"
+         "                                              reference.detach().double().reshape(-1, reference.shape[-1]), dim=-1).mean().item()"),
         ("tensors instead of floats",
          '{"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(),\n'
          '            "rel_l2": (d.norm() / r_norm).item(), "cosine": (c @ r / (c.norm() * r_norm)).item()}',
@@ -94,6 +98,7 @@ MISTAKES = {
         ("weight ignored", "y = y * weight.float() + bias.float()", "y = y + bias.float()"),
         ("bias ignored", "y = y * weight.float() + bias.float()", "y = y * weight.float()"),
         ("fp32 output", "return y.to(x.dtype)", "return y"),
+        ("output in weight's dtype", "return y.to(x.dtype)", "return y.to(weight.dtype)"),
         ("F.layer_norm on fp32",
          "y = (x32 - mean) / torch.sqrt(var + eps)\n    y = y * weight.float() + bias.float()",
          "y = F.layer_norm(x32, x.shape[-1:], weight.float(), bias.float(), eps)"),
