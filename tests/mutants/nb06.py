@@ -17,7 +17,7 @@ RULES = {
     "ex2_flash_forward": [
         "_key_range alone: whole tiles unmasked, tail tile masked, causal tiles skipped, bottom-right alignment "
         "(N = N_k, N < N_k, N > N_k), no off-by-one at N = 63, N_k = 64",
-        "_fwd_tile alone: acc and l rescaled, rows that saw no key stay 0 (no NaN), scores near 1e4",
+        "_fwd_tile alone: acc and l rescaled, rows that saw no key stay 0 (no NaN) and keep m = -inf, scores near 1e4",
         "padded query rows not stored (o, lse): _fwd_kernel launched by hand into outputs followed by spare rows, "
         "before any other forward",
         "forward vs fp64, in stages: whole tiles, a tail tile (N = 100), causal N = N_k, N < N_k, "
@@ -44,6 +44,7 @@ RULES = {
         "bf16 in -> bf16 gradients",
         "precision (2x rule vs float64 autograd, against autograd through plain attention in that dtype, plus the "
         "rounding of the exact gradient): dV, dK, dQ for bf16 and fp16, N = 70, N_k = 90, d = 32, causal",
+        "D from bf16 O and dO stays fp32: _bwd_preprocess launched by hand against float64 row sums",
         "precision over many query tiles (2x rule): dV, dK, dQ for bf16 and fp16 at N = 4000 (250 tiles), N_k = 32: "
         "dK and dV kept fp32 in the loop",
         "the grids follow the tuned tiles: one backward with both kernels' configs swapped for 16 x 16",
@@ -63,6 +64,7 @@ RULES = {
     "ex5_gqa_window": [
         "launches _fwd_gqa_window_kernel; K/V not repeated in memory",
         "vs fp64: GQA without a window, causal window, non-causal symmetric window, causal N > N_k (no NaN)",
+        "every score near -250 (fp32, GQA, causal window): the running max starts at -inf",
         "64-bit head offsets (kernel launched by hand, head program id past 2^23, no int32 overflow)",
         "fp32 inputs launch with PREC=\"ieee\" (launch recorded)",
         "bf16 and fp16 in -> o in q's dtype, lse fp32; both by the 2x rule (GQA, causal window, d = 32)",
@@ -137,8 +139,10 @@ MISTAKES = {'ex1_softmax': [('store unmasked (padding lanes written)',
                         'grid = lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), q3.shape[0])',
                         'grid = lambda meta: (triton.cdiv(n, 32), q3.shape[0])'),
                        ('row max taken before masking (masked tail keys read as 0 count)',
-                        '    if MASKED:\n        s = tl.where(keep, s, float("-inf"))\n    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)',
-                        '    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)\n    if MASKED:\n        s = tl.where(keep, s, float("-inf"))'),
+                        '    if MASKED:\n        s = tl.where(keep, s, float("-inf"))\n    m_max = tl.maximum(m_i, tl.max(s, 1) * qk_scale)',
+                        '    m_max = tl.maximum(m_i, tl.max(s, 1) * qk_scale)\n    if MASKED:\n        s = tl.where(keep, s, float("-inf"))'),
+                       ('running max returned as 0 for a row with no key yet (a window\'s first tiles)',
+                        '    return acc, m_max, l_i ', '    return acc, m_new, l_i '),
                        ('PREC="tf32" for fp32 inputs', 'PREC="ieee" if q.dtype == torch.float32 else "tf32")',
                         'PREC="tf32")'),
                        ('tl.dot without input_precision (TF32 on a GPU for fp32)',
@@ -215,6 +219,10 @@ MISTAKES = {'ex1_softmax': [('store unmasked (padding lanes written)',
                         ('gradients in fp32 for bf16 inputs',
                          'dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)',
                          'dq, dk, dv = (torch.empty(t.shape, device=t.device) for t in (q3, k3, v3))'),
+                        ('D rounded to the input dtype before it is stored',
+                         'tl.store(delta_ptr + bh * N_Q + offs_m, tl.sum(o * do, axis=1), mask=rows)',
+                         'tl.store(delta_ptr + bh * N_Q + offs_m, tl.sum(o * do, axis=1).to(o_ptr.dtype.element_ty).to(tl.float32), '
+                         'mask=rows)'),
                         ('dV accumulator rounded to the input dtype every query tile',
                          'dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PREC)',
                          'dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PREC).to(do.dtype).to(tl.float32)'),
@@ -259,7 +267,9 @@ MISTAKES = {'ex1_softmax': [('store unmasked (padding lanes written)',
                     ('PREC="tf32" for fp32 inputs', 'PREC="ieee" if q.dtype == torch.float32 else "tf32", BLOCK_M',
                      'PREC="tf32", BLOCK_M'),
                     ('scale hard-coded for d = 16', 'd ** -0.5 * LOG2E, n, nk, hq // hkv, window',
-                     '0.25 * LOG2E, n, nk, hq // hkv, window')]}
+                     '0.25 * LOG2E, n, nk, hq // hkv, window'),
+                    ('running max initialised to 0', 'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
+                     'm_i = tl.zeros([BLOCK_M], tl.float32)')]}
 
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}
