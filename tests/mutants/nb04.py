@@ -32,6 +32,7 @@ RULES = {
         "exact data: fit reproduces y and the coefficients",
         "noisy data over three decades: the fit reaches the least relative squared error",
         "MAPE in percent over |true|, for lists, arrays and Series",
+        "MAPE is the mean, not the median (three values)",
         "no labkit",
     ],
 }
@@ -82,6 +83,7 @@ MISTAKES = {
         ("signed denominator", "np.abs(pred - true) / np.abs(true)", "np.abs(pred - true) / true"),
         ("fraction, not percent", "float(100 * np.mean(", "float(np.mean("),
         ("lists not converted", "pred, true = np.asarray(pred, dtype=float), np.asarray(true, dtype=float)", "pred, true = pred, true"),
+        ("median instead of mean", "np.mean(", "np.median("),
     ],
 }
 
@@ -94,5 +96,7 @@ FITTED = {
     "ex2_flash_bytes": [("ceil written as (N + 63) // block_m (visible block 64)", "math.ceil(N / block_m)", "(N + 63) // block_m")],
     "ex3_roofline": [("ridge hard-coded to the toy machine's 100", "intensity < peak_tflops * 1e12 / bandwidth", "intensity < 100"),
                      ("bandwidth hard-coded to the toy machine's 1 TB/s", "* bandwidth / 1e12)", "* 1.0)")],
-    "ex4_predictor": [("median instead of mean (visible cases have two values)", "np.mean(", "np.median(")],
+    "ex4_predictor": [("columns taken by position (every visible frame starts with B, H, N, D)",
+                       'B, H, N, D = (df[k].to_numpy(dtype=float) for k in "BHND")',
+                       "B, H, N, D = (df.iloc[:, i].to_numpy(dtype=float) for i in range(4))")],
 }
