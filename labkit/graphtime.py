@@ -149,7 +149,7 @@ def time_per_call(per_cache: list[dict[str, Callable[[], object]]], device, *, t
     timed in the same turns as they are, each doing what one replay does (``LAYERS`` calls; divided alike).
 
     Returns (name -> ms per call; name -> the error, without traceback, of a call that could not run or be
-    captured). The graphs are dropped before it returns; :func:`release` gives their memory back.
+    captured). The graphs are dropped when it returns; :func:`release` gives their memory back.
     """
     device = torch.device(device)
     graph = device.type == "cuda" if graph is None else graph
@@ -159,5 +159,4 @@ def time_per_call(per_cache: list[dict[str, Callable[[], object]]], device, *, t
     timings, more = measure.time_interleaved(calls, device=device, target_ms=target_ms, flush_l2=True,
                                              flush_by="read", errors=errors)
     failed.update((name, _bare(err)) for name, err in more.items())
-    del calls
     return {name: t.median_ms / layers for name, t in timings.items()}, failed

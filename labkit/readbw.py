@@ -14,7 +14,7 @@ writes a few KB) goes faster than a copy. Against copy bandwidth a good decode k
 
 On a CPU both use ``torch.sum`` (Triton's interpreter would time Python, not memory).
 
-Used in: 08_decode_attention (through ``lk.decode``), the board.
+Used in: 08_decode_attention (through ``lk.decode``).
 """
 from __future__ import annotations
 
@@ -82,9 +82,10 @@ def read_bandwidth(*, device=None, mib: int | None = None, target_ms: float = 50
     per_call, _ = graphtime.time_per_call([calls], device, target_ms=target_ms)
     best = min(per_call, key=per_call.get)
     _best[device.index or 0] = best
-    del calls
+    nbytes = x.numel() * x.element_size()
+    del x, calls                                  # the buffer (up to 8 GiB) back to the GPU, not kept reserved
     graphtime.release(device)
-    return x.numel() * x.element_size() / (per_call[best] * 1e-3)
+    return nbytes / (per_call[best] * 1e-3)
 
 
 def read_once(*tensors: torch.Tensor) -> Callable[[], torch.Tensor]:
