@@ -30,6 +30,11 @@ def _named(parse: Callable, name: str) -> Callable:
     return parse
 
 
+def _parts(text: str) -> list[str]:
+    """The non-empty, stripped items of a comma-separated option value."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def integer(minimum: int = 1, example: int | None = None) -> Callable[[str], int]:
     """An int >= ``minimum``, e.g. ``example``."""
     example = minimum if example is None else example
@@ -51,7 +56,7 @@ def integers(minimum: int = 1, example: str = "1024,2048") -> Callable[[str], li
     one = integer(minimum)
 
     def parse(text: str) -> list[int]:
-        parts = [x.strip() for x in text.split(",") if x.strip()]
+        parts = _parts(text)
         if not parts:
             raise Error(f"expected comma-separated integers >= {minimum}, e.g. {example}; got {text!r}")
         try:
@@ -83,7 +88,7 @@ def names(choices: Iterable[str], what: str = "name") -> Callable[[str], list[st
     valid = ", ".join(choices)
 
     def parse(text: str) -> list[str]:
-        parts = [x.strip() for x in text.split(",") if x.strip()]
+        parts = _parts(text)
         unknown = [x for x in parts if x not in choices]
         if unknown or not parts:
             got = f"unknown {what}(s) {unknown}" if unknown else f"no {what} in {text!r}"
@@ -97,7 +102,7 @@ def words(example: str = "a,b") -> Callable[[str], list[str]]:
     """A comma-separated list of at least one word (checked against what exists after parsing)."""
 
     def parse(text: str) -> list[str]:
-        parts = [x.strip() for x in text.split(",") if x.strip()]
+        parts = _parts(text)
         if not parts:
             raise Error(f"expected a comma-separated list, e.g. {example}; got {text!r}")
         return parts
@@ -119,7 +124,7 @@ def checked(check: Callable[[str], object], what: str = "name", many: bool = Fal
     def parse(text: str) -> str | list[str]:
         if not many:
             return one(text)
-        parts = [x.strip() for x in text.split(",") if x.strip()]
+        parts = _parts(text)
         if not parts:
             raise Error(f"expected a comma-separated list of {what}s; got {text!r}")
         return [one(x) for x in parts]
