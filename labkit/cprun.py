@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import cliargs as ca
-from . import cpcpu, cptrain
+from . import cpcpu, cptrain, profiles
 
 
 def parser() -> argparse.ArgumentParser:
@@ -97,6 +97,7 @@ def _setup(single: bool):
     CPU kernel standing in for the CUDA one PyTorch's ring attention calls.
     """
     distributed = "LOCAL_RANK" in os.environ and not single
+    profiles.apply_cap(int(os.environ.get("LOCAL_RANK", 0)))   # LABKIT_GPU_MEMORY_GB caps this process too
     if not distributed:
         return None, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from torch.distributed.device_mesh import init_device_mesh

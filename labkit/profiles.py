@@ -14,9 +14,12 @@ is available). Each notebook states its own sizes for both profiles in its first
 
 The ``gpu`` sizes are for a large GPU (80-140 GB); ``smaller_gpu`` maps a memory size in GB to the keys that
 change on a GPU with at most that much (the smallest matching entry wins, its keys over the larger ones').
-``LABKIT_GPU_MEMORY_GB`` caps what this process may allocate on the GPU
-(``torch.cuda.set_per_process_memory_fraction``): a large GPU then behaves as a small one, for sizes and for
-out-of-memory alike (``make execute GPU_MEMORY_GB=8`` runs the course as on an 8 GB card).
+GB here is what a card's label says: 2**30 bytes (an "8 GB" card reports about 7.8 GiB, a 16 GB T4 14.7 GiB, a
+24 GB RTX 4090 23.6 GiB), so an entry ``{8: ...}`` applies to every 8 GB card. ``LABKIT_GPU_MEMORY_GB`` caps
+what this process may allocate on the GPU (``torch.cuda.set_per_process_memory_fraction``): a large GPU then
+behaves as a small one, for sizes and for out-of-memory alike (``make execute GPU_MEMORY_GB=8`` runs the course
+as on an 8 GB card). :func:`free_bytes` is what the process may still allocate, the cap counted: code that
+sizes a buffer from free memory reads it instead of ``torch.cuda.mem_get_info``, which knows no cap.
 
 Used in: every notebook.
 """
@@ -42,24 +45,50 @@ def current() -> str:
     return "gpu" if torch.cuda.is_available() else "cpu"
 
 
-def gpu_memory_gb() -> float | None:
-    """GB of GPU memory this process may use: the card's, or ``LABKIT_GPU_MEMORY_GB`` where smaller, which
-    is then applied as the process's cap (once; it stays for the process). None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    total = torch.cuda.get_device_properties(0).total_memory / 1e9
+def _cap_gib() -> float | None:
+    """``LABKIT_GPU_MEMORY_GB`` as a number of GiB (None when unset); refuses a value that is not positive."""
     raw = os.environ.get("LABKIT_GPU_MEMORY_GB", "").strip()
     if not raw:
-        return total
+        return None
     try:
         cap = float(raw)
     except ValueError:
         cap = -1.0
     if not cap > 0:
         raise ValueError(f"LABKIT_GPU_MEMORY_GB={raw!r} must be a positive number of GB, e.g. 8 or 16")
+    return cap
+
+
+def apply_cap(device=None) -> float | None:
+    """GiB of GPU memory this process may use on ``device`` (default: GPU 0): the card's, or
+    ``LABKIT_GPU_MEMORY_GB`` where smaller, which is then applied as the process's cap on that device (it
+    stays for the process). None without CUDA. A process of its own (``cp-train``'s ranks) calls it too."""
+    if not torch.cuda.is_available():
+        return None
+    index = device if isinstance(device, int) else 0 if device is None else torch.device(device).index or 0
+    total = torch.cuda.get_device_properties(index).total_memory / 2**30
+    cap = _cap_gib()
+    if cap is None:
+        return total
     if cap < total:
-        torch.cuda.set_per_process_memory_fraction(cap / total, 0)
+        torch.cuda.set_per_process_memory_fraction(cap / total, index)
     return min(cap, total)
+
+
+def gpu_memory_gb() -> float | None:
+    """GiB of GPU memory this process may use on GPU 0, the cap applied (:func:`apply_cap`)."""
+    return apply_cap(0)
+
+
+def free_bytes(device=None) -> int:
+    """Bytes this process may still allocate on a CUDA ``device``: the GPU's free memory, and under
+    ``LABKIT_GPU_MEMORY_GB`` at most the cap less what PyTorch holds already (reserved)."""
+    device = torch.device("cuda", 0) if device is None else torch.device(device)
+    free = torch.cuda.mem_get_info(device)[0]
+    cap = _cap_gib()
+    if cap is not None:
+        free = min(free, max(0, int(cap * 2**30) - torch.cuda.memory_reserved(device)))
+    return free
 
 
 def choose(*, cpu: dict, gpu: dict, smaller_gpu: dict[float, dict] | None = None) -> SimpleNamespace:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import graphtime, measure
+from . import graphtime, measure, profiles
 
 READ_ONLY = "read only"   # the name of read_once's row or column
 # (elements per load, loads in flight per step, warps, programs per SM); bf16: 4096 elements = 8 KB a load
@@ -64,13 +64,14 @@ def _programs(device: torch.device, config: tuple[int, int, int, int]) -> int:
 
 def read_bandwidth(*, device=None, mib: int | None = None, target_ms: float = 50.0) -> float:
     """Measured read-only bandwidth in bytes/s (reads only counted): the fastest of :data:`READ_CONFIGS`
-    streaming over a ``mib`` MiB bf16 buffer (default: 8 GiB, or a quarter of the free GPU memory if less),
+    streaming over a ``mib`` MiB bf16 buffer (default: 8 GiB, or a quarter of the free GPU memory if less,
+    ``LABKIT_GPU_MEMORY_GB``'s cap counted: :func:`labkit.profiles.free_bytes`),
     timed as the decode kernels are (:func:`labkit.graphtime.time_per_call`: graphs of LAYERS launches, L2
     flushed by a read), so fixed costs weigh alike. The winning config is kept for :func:`read_once` on this
     device. CPU: ``torch.sum`` over a ``mib`` (default 64) MiB buffer."""
     device = measure.as_device(device)
     if mib is None:
-        mib = 64 if device.type != "cuda" else min(8192, torch.cuda.mem_get_info(device)[0] // 4 // 2**20)
+        mib = 64 if device.type != "cuda" else min(8192, profiles.free_bytes(device) // 4 // 2**20)  # cap counted
     if mib < 1:
         raise ValueError(f"mib must be at least 1, got {mib}")
     x = torch.ones(mib * 2**19, dtype=torch.bfloat16, device=device)

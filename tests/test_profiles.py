@@ -17,7 +17,7 @@ def clean_env(monkeypatch):
 
 
 class FakeCard:
-    total_memory = 80e9                     # an 80 GB card
+    total_memory = 80 * 2**30               # an 80 GB card (GB on a card's label: GiB)
 
 
 @pytest.fixture
