@@ -6,7 +6,8 @@
 - reference: store the GPU-only cells' outputs of an executed GPU run, shown to readers without one;
 - bundle: the student zip, refused if any solution text would leak (instructors);
 - longctx: GPT-2 on one long sequence, labkit vs sdpa tokens/s or the longest N (``lk.longctx``);
-- cp-train: GPT-2 on one long sequence across GPUs with context parallelism (``lk.cprun``).
+- cp-train: GPT-2 on one long sequence across GPUs with context parallelism (``lk.cprun``);
+- board: the students' kernels ranked on this GPU, correctness re-checked, cheating flagged (``lk.board``).
 """
 from __future__ import annotations
 
@@ -76,6 +77,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="GPT-2 on one long sequence: labkit vs sdpa tokens/s (compare), the longest N (search)")
     sub.add_parser("cp-train", add_help=False,  # its options: python -m labkit cp-train --help (lk.cprun)
                    help="GPT-2 on one long sequence across GPUs (context parallelism, torchrun)")
+    board = sub.add_parser("board", help="rank the students' kernels on this GPU (instructors; lk.board)")
+    board.add_argument("assignment", choices=["06_triton_flashattention", "08_decode_attention"],
+                       help="the assignment whose kernels are ranked")
+    board.add_argument("--submitted", required=True, type=ca.folder(None, "nbgrader's submitted/ folder", "submitted"),
+                       help="folder of <student>/<assignment>/<assignment>.ipynb (nbgrader's submitted/ or autograded/)")
+    board.add_argument("--out", type=ca.out_folder("build/board"), default="build/board", help="output folder")
+    board.add_argument("--cpu", action="store_true", help="correctness only, through Triton's interpreter")
+    board.add_argument("--timeout", type=ca.integer(1, 900), default=900, help="seconds per student")
+    board.add_argument("--seed", type=ca.integer(0, 12345), default=None,
+                       help="the inputs' seed (default: a fresh secret one per run)")
+    board.add_argument("--anonymize", action="store_true", help="pseudonyms instead of student IDs")
+    board.add_argument("--jobs", type=ca.integer(1, 2), default=2, help="students at once on a CPU (1 on a GPU)")
+    board.add_argument("--memory-gb", type=ca.number(0, 16), default=16.0,
+                       help="memory limit per student (CPU: address space; GPU: of the card's memory)")
     parser.commands = sub.choices  # each command's parser, for the checks after parsing (_check)
     return parser
 
@@ -104,6 +119,12 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
         else:
             here = [b for b in BACKENDS if not why_not(b, device=device, dtype=dtype)]
             command.error(f"argument --backends: none runs here ({first}); these do: {', '.join(here)}, auto")
+    if args.command == "board":
+        from .board import submissions
+
+        if not submissions(args.submitted, args.assignment):
+            command.error(f"argument --submitted: no {args.submitted}/<student>/{args.assignment}/{args.assignment}"
+                          f".ipynb; give nbgrader's layout, e.g. --submitted submitted")
     if args.command == "reference" and not torch.cuda.is_available():
         command.error("reference stores a GPU run's outputs: run it on a machine with a CUDA GPU, after make execute")
 
@@ -131,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         return _execute(args)
     if args.command == "bundle":
         return _bundle(args)
+    if args.command == "board":
+        return _board(args)
     if args.command == "reference":
         from . import reference
 
@@ -187,6 +210,22 @@ def _execute(args) -> int:
               f"report(s), GPU-only notices in {run.gpu_only_cells or 'no cell'}")
     print(f"total {sum(r.seconds for r in runs) / 60:.1f} min; wrote {args.out / 'summary.md'}")
     return 1 if any(run.errors or run.guard_reports for run in runs) else 0
+
+
+def _board(args) -> int:
+    import secrets
+
+    from . import board
+
+    gpu = not args.cpu and torch.cuda.is_available()
+    seed = secrets.randbelow(2**31) if args.seed is None else args.seed
+    table = board.board(args.assignment, args.submitted, args.out, seed=seed, timeout=args.timeout, gpu=gpu,
+                        anonymize=args.anonymize, jobs=args.jobs, memory_gb=args.memory_gb)
+    shown = [c for c in ("rank", "student", "status", "score", "best_library", "vs_best_library", "detail") if c in table]
+    print(table[shown].to_string(index=False, max_colwidth=70, float_format=lambda x: f"{x:.3f}"))
+    print(f"wrote {args.out / 'board.csv'} and {args.out / 'board.html'}"
+          + ("" if gpu else " (correctness only: no GPU or --cpu)"))
+    return 0
 
 
 def _bundle(args) -> int:

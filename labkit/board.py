@@ -1,0 +1,216 @@
+"""The speed-of-light board: ``python -m labkit board ASSIGNMENT --submitted DIR`` (instructors, on a GPU).
+
+Ranks each student's kernels as a fraction of this GPU's measured limit, with correctness re-checked and
+cheating flagged. ``DIR`` is nbgrader's layout, ``DIR/<student>/<ASSIGNMENT>/<ASSIGNMENT>.ipynb``
+(``submitted/`` or ``autograded/``). Per student, in its own process (:mod:`labkit.boardrun`), one at a time on
+a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
+
+- which cells run (:func:`cells_to_run`): never the test cells (nbgrader ``grade`` without ``solution``), and
+  nothing after the last cell that defines a graded name (the measurement sections come after the kernels).
+  Before it: the first code cell whole (imports, device, profile), the answer cells (nbgrader ``solution``)
+  whole, and of every other code cell only its top-level ``import``, ``def`` and ``class`` statements and its
+  assignments to UPPER_CASE names (the constants kernels read: ``FWD_CONFIGS``, ``PROGRAMS_PER_SM``): the
+  demos, prints and measurements between the exercises never run. Lines starting with ``%`` or ``!``
+  (IPython magics) are dropped.
+- statuses: ``ok``; ``wrong`` (a result off at the check's shapes or after the timing); ``flagged`` (library
+  attention, softmax or labkit reached; none of the notebook's own Triton kernels launched; a timer, torch or
+  the reference monkey-patched); ``error`` (its last line); ``timeout`` (the process group killed).
+- score (GPU): :mod:`labkit.boardshapes` (06: TFLOP/s over the matmul peak; 08: GB/s over the read ceiling;
+  geometric means over fixed shapes), the best library kernel's score from the same run beside it.
+  ``--cpu`` (or no GPU): Triton's interpreter, every status but no score.
+
+Output: ``OUT/board.csv`` (student, status, detail, score, ...), ``OUT/board.html`` (the ranked table and a bar
+chart with the library kernels as lines), ``OUT/logs/<student>.log`` (what the worker printed).
+
+Used by: ``python -m labkit board`` (``make board ASSIGNMENT=...``).
+"""
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from .boardshapes import SPECS
+
+ASSIGNMENTS = tuple(SPECS)
+STATUSES = ("ok", "wrong", "flagged", "error", "timeout")
+ROOT = Path(__file__).resolve().parents[1]   # the folder holding labkit, for the workers' PYTHONPATH
+
+
+def submissions(submitted: Path, assignment: str) -> dict[str, Path]:
+    """student -> notebook, for every ``submitted/<student>/<assignment>/<assignment>.ipynb``, sorted."""
+    return {p.parents[1].name: p for p in sorted(Path(submitted).glob(f"*/{assignment}/{assignment}.ipynb"))}
+
+
+def _kept(node: ast.stmt) -> bool:
+    """A statement of a cell that is not an answer: imports, defs, classes and UPPER_CASE constants."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return True
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    names = [n for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+    return bool(names) and all(n.id.isupper() for n in names)
+
+
+def _statements(source: str) -> str:
+    """The kept statements of ``source`` (:func:`_kept`), decorators included, each at its own lines."""
+    lines = source.splitlines(True)
+    parts = []
+    for node in ast.parse(source).body:
+        if _kept(node):
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            parts.append("".join(lines[first - 1:node.end_lineno]))
+    return "\n".join(parts)
+
+
+def _no_magics(source: str) -> str:
+    return "".join(line if not line.lstrip().startswith(("%", "!")) else
+                   line[:len(line) - len(line.lstrip())] + "pass\n" for line in source.splitlines(True))
+
+
+def cells_to_run(notebook: dict, graded: tuple[str, ...]) -> list[dict]:
+    """The code cells the worker runs, as ``[{"index", "source"}]`` (the rule: module docstring)."""
+    cells, last = [], -1
+    for i, cell in enumerate(notebook.get("cells", [])):
+        if cell.get("cell_type") != "code":
+            continue
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if meta.get("grade") and not meta.get("solution"):
+            continue                                                     # a test cell
+        source = _no_magics("".join(cell.get("source", "")))
+        whole = not cells or meta.get("solution")
+        if not whole:
+            try:
+                source = _statements(source)
+            except SyntaxError:
+                continue
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            tree = None                                                   # an answer that does not parse: its error
+        if tree and {n.name for n in tree.body if hasattr(n, "name")} & set(graded):
+            last = len(cells)
+        cells.append({"index": i, "source": source})
+    return cells[:last + 1] if last >= 0 else cells
+
+
+def _env(tmp: Path, gpu: bool) -> dict[str, str]:
+    """The worker's environment: only what it needs, HOME and caches in its own folder."""
+    keep = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "CUDA_HOME", "OMP_NUM_THREADS")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.update(HOME=str(tmp), TMPDIR=str(tmp), XDG_CACHE_HOME=str(tmp / ".cache"), MPLBACKEND="Agg",
+               TRITON_CACHE_DIR=str(tmp / ".triton"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT),
+               PYTHONDONTWRITEBYTECODE="1")
+    if not gpu:
+        env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LABKIT_PROFILE="cpu")
+    return env
+
+
+def run_student(assignment: str, notebook: Path, *, seed: int, timeout: float, gpu: bool, logs: Path,
+                student: str, target_ms: float = 30.0, memory_gb: float | None = None) -> dict:
+    """One submission through :mod:`labkit.boardrun` in its own process group, cwd a fresh temporary folder.
+
+    Returns {"status", "detail", "timing", "seconds"}; a crash, a missing result or the time limit
+    (the process group killed) is reported here, never raised."""
+    started = time.monotonic()
+    try:
+        nb = json.loads(Path(notebook).read_text(encoding="utf-8"))
+        cells = cells_to_run(nb, SPECS[assignment].graded)
+    except (OSError, ValueError) as err:
+        return {"status": "error", "detail": f"notebook unreadable: {err}", "timing": None, "seconds": 0.0}
+    tmp = Path(tempfile.mkdtemp(prefix="labkit-board-"))
+    try:
+        job = dict(assignment=assignment, cells=cells, seed=seed, time=gpu, target_ms=target_ms,
+                   memory_gb=memory_gb, result=str(tmp / "result.json"))
+        (tmp / "job.json").write_text(json.dumps(job), encoding="utf-8")
+        log = logs / f"{student}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "labkit.boardrun", str(tmp / "job.json")], cwd=tmp,
+                                    env=_env(tmp, gpu), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return {"status": "timeout", "detail": f"past the {timeout:g} s limit", "timing": None,
+                        "seconds": round(time.monotonic() - started, 1)}
+        try:
+            return json.loads((tmp / "result.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            tail = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+            return {"status": "error", "detail": f"the process ended (exit status {proc.returncode}) without a result: "
+                    f"{tail[-1][:200] if tail else 'no output'}", "timing": None,
+                    "seconds": round(time.monotonic() - started, 1)}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # anything the submission left running
+        except (NameError, ProcessLookupError, PermissionError):
+            pass
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _row(student: str, result: dict) -> dict:
+    """One board row: status, detail, the scores of the student and the best library kernel of the same run."""
+    row = dict(student=student, status=result["status"], detail=result.get("detail", ""), score=None,
+               seconds=result.get("seconds"))
+    timing = result.get("timing") or {}
+    mine = timing.get("student") or {}
+    row.update({f"score_{k}" if k != "score" else k: v for k, v in mine.items()})
+    library = library_scores(timing)
+    if library and row["score"] is not None:
+        best = max(library, key=library.get)
+        row.update(best_library=best, best_library_score=library[best], vs_best_library=row["score"] / library[best])
+    return row
+
+
+def library_scores(timing: dict) -> dict[str, float]:
+    """Library kernel -> its score in one student's timing (06: forward+backward and forward's geometric mean)."""
+    found = {}
+    for name, value in timing.items():
+        if name in ("student", "rows", "failed", "peak_tflops", "read_bw") or name.startswith("student"):
+            continue
+        score = value.get("score") if isinstance(value, dict) else value
+        if isinstance(score, (int, float)) and score == score and name != "read only":
+            found[name] = float(score)
+    return found
+
+
+def anonymous(student: str, seed: int) -> str:
+    """A stable pseudonym for one board run (salted with the seed, so the roster cannot reverse it)."""
+    return "anon-" + hashlib.sha256(f"{seed}:{student}".encode()).hexdigest()[:8]
+
+
+def board(assignment: str, submitted: Path, out: Path, *, seed: int, timeout: float, gpu: bool,
+          anonymize: bool = False, jobs: int = 1, memory_gb: float | None = None) -> pd.DataFrame:
+    """Run every submission, write ``out/board.csv`` and ``out/board.html``; returns the ranked rows."""
+    from tqdm.auto import tqdm
+
+    from .boardreport import ranked, write_html
+
+    found = submissions(submitted, assignment)
+    logs = Path(out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    names = {s: anonymous(s, seed) if anonymize else s for s in found}
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(1 if gpu else max(1, jobs)) as pool, \
+            tqdm(total=len(found), desc=f"board {assignment}", unit="student") as bar:
+        futures = {pool.submit(run_student, assignment, nb, seed=seed, timeout=timeout, gpu=gpu, logs=logs,
+                               student=names[s], memory_gb=memory_gb): s for s, nb in found.items()}
+        for future in concurrent.futures.as_completed(futures):
+            results[futures[future]] = future.result()
+            bar.update(1)
+    table = ranked(pd.DataFrame([_row(names[s], results[s]) for s in found]))
+    table.to_csv(Path(out) / "board.csv", index=False)
+    write_html(table, [r.get("timing") for r in results.values()], Path(out) / "board.html", assignment=assignment,
+               gpu=gpu)
+    return table

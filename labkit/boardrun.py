@@ -1,0 +1,192 @@
+"""One submission's run for the board, in its own process: ``python -m labkit.boardrun JOB.json``.
+
+:mod:`labkit.board` starts this worker once per student, in a fresh temporary folder (its cwd, HOME and
+TMPDIR), in a process group of its own that it kills at the time limit. ``JOB.json`` holds the assignment,
+the code cells to run (chosen by :func:`labkit.board.cells_to_run`: the student's notebook is never read
+here), the secret seed, whether to time, and where to write the result, a JSON object
+``{"status", "detail", "timing"}``. Steps, the first failure deciding the status:
+
+1. Guards: the course's no-network guard (:func:`labkit.runguard.install`, ``report`` mode: a connection
+   fails, a warning only prints); a memory limit (CPU: ``RLIMIT_AS``; GPU: a fraction of the card through
+   ``torch.cuda.set_per_process_memory_fraction``, since CUDA reserves address space far beyond its use).
+2. A snapshot of what a submission could patch to look fast or right: SDPA and the softmaxes, the timers
+   (``triton.testing.do_bench``, CUDA events and graphs, ``time.perf_counter``), and every function of
+   labkit's timing, reference and grading modules and of :mod:`labkit.boardshapes`.
+3. The cells, in one namespace named ``__main__`` (as a notebook kernel's); each compiled under its own
+   file name kept in ``linecache``, as IPython does, so ``inspect`` and ``@triton.jit`` read its source.
+   A cell that raises -> ``error`` (its exception's last line).
+4. The snapshot again (-> ``flagged``); the graded names defined (-> ``error``); their code checked by
+   :func:`labkit.grading.check_own_code` (no labkit, SDPA or softmax: -> ``flagged``); a tiny call of each
+   must launch a Triton kernel defined in the notebook (:func:`labkit.tritonmode.launches`, -> ``flagged``).
+5. The assignment's check on fresh inputs (:mod:`labkit.boardshapes`, AssertionError -> ``wrong``), then,
+   on a GPU, its timing, which re-checks the timed calls' results (-> ``wrong``); the snapshot once more.
+
+Used by: :mod:`labkit.board`.
+"""
+from __future__ import annotations
+
+import json
+import linecache
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _guarded() -> dict[str, object]:
+    """label -> object, for everything a submission must leave as it found it."""
+    import torch.nn.functional as F
+    import triton.testing
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    from . import attention, bench, boardshapes, decode, grading, graphtime, measure, readbw, tritonmode
+
+    found = {f"{owner.__name__}.{name}": getattr(owner, name) for owner, name in [
+        (F, "scaled_dot_product_attention"), (F, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"),
+        (torch, "logsumexp"), (torch, "einsum"), (torch, "matmul"), (torch.Tensor, "__matmul__"),
+        (torch.Tensor, "__sub__"), (torch.Tensor, "abs"), (torch.Tensor, "max"), (torch.Tensor, "copy_"),
+        (torch.Tensor, "double"), (torch.autograd, "grad"), (torch.cuda, "synchronize"), (torch.cuda.Event, "record"),
+        (torch.cuda.Event, "elapsed_time"), (torch.cuda.CUDAGraph, "replay"), (time, "perf_counter"),
+        (triton.testing, "do_bench"), (JITFunction, "run"), (Autotuner, "run")]}
+    for module in (attention, bench, boardshapes, decode, grading, graphtime, measure, readbw, tritonmode):
+        found.update({f"{module.__name__}.{name}": obj for name, obj in vars(module).items()
+                      if callable(obj) and not isinstance(obj, type) and not name.startswith("__")})
+    return found
+
+
+def _snapshot() -> dict[str, tuple]:
+    return {label: (id(obj), getattr(obj, "__code__", None)) for label, obj in _guarded().items()}
+
+
+def _tampered(before: dict[str, tuple]) -> str | None:
+    """The first guarded name whose object or code changed since ``before``, or None."""
+    now = _snapshot()
+    changed = [label for label, state in before.items() if now.get(label) != state]
+    return f"changed {changed[0]} (monkey-patching the timer, the reference or torch)" if changed else None
+
+
+def _run_cells(cells: list[dict], ns: dict) -> None:
+    for cell in cells:
+        filename = f"<cell-{cell['index']}>"
+        linecache.cache[filename] = (len(cell["source"]), None, cell["source"].splitlines(True), filename)
+        try:
+            exec(compile(cell["source"], filename, "exec"), ns)  # noqa: S102 - the submission's own cell
+        except BaseException as err:  # noqa: BLE001 - sys.exit() in a cell is an error too
+            raise CellError(f"cell {cell['index']}: {_last_line(err)}") from err
+
+
+class CellError(Exception):
+    """A notebook cell raised; the message names the cell and the exception's last line."""
+
+
+class Verdict(Exception):
+    """Stops the run with a status other than ok."""
+
+    def __init__(self, status: str, detail: str):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def _limit_memory(job: dict, device: torch.device) -> None:
+    gb = job.get("memory_gb")
+    if not gb:
+        return
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 2**30 / total), device)
+    else:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (int(gb * 2**30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
+    from . import grading, tritonmode
+    from .boardshapes import forbidden
+
+    missing = [name for name in spec.graded if name not in ns]
+    if missing:
+        raise Verdict("error", f"the notebook defines no {', '.join(missing)}")
+    for label, fn in spec.own(ns).items():
+        try:
+            grading.check_own_code(fn, name=label, forbid=forbidden())
+        except AssertionError as err:
+            raise Verdict("flagged", f"{label}: calls a library attention, softmax or labkit: "
+                                     f"{str(err).splitlines()[0][:200]}") from None
+    for label, call in spec.calls(ns, device).items():
+        with tritonmode.launches() as launched:
+            call()
+        if not sum(launched.values()):
+            raise Verdict("flagged", f"{label} launched none of the notebook's own Triton kernels")
+    if (changed := _tampered(before)):
+        raise Verdict("flagged", changed)
+    try:
+        spec.check(ns, job["seed"], device)
+        timing = spec.time(ns, job["seed"], device, job.get("target_ms", 30.0)) if job.get("time") else None
+    except AssertionError as err:
+        raise Verdict("wrong", str(err).splitlines()[0][:300]) from None
+    if (changed := _tampered(before)):
+        raise Verdict("flagged", changed)
+    return timing
+
+
+def run(job: dict) -> dict:
+    """The job's result: {"status", "detail", "timing"} (timing: the spec's timing dict, or None)."""
+    from . import runguard
+
+    runguard.install("report")
+    import labkit as lk
+
+    lk.tritonmode.setup()
+    from .boardshapes import SPECS
+
+    device = lk.tritonmode.device()
+    _limit_memory(job, device)
+    spec, before = SPECS[job["assignment"]], _snapshot()
+    ns = {"__name__": "__main__", "display": lambda *args, **kwargs: print(*args)}
+    try:
+        _run_cells(job["cells"], ns)
+        if (changed := _tampered(before)):
+            raise Verdict("flagged", changed)
+        timing = _checks(spec, ns, job, device, before)
+    except Verdict as verdict:
+        return {"status": verdict.status, "detail": verdict.detail, "timing": None}
+    except CellError as err:
+        blank = isinstance(err.__cause__, NotImplementedError)
+        return {"status": "error", "timing": None,
+                "detail": f"{err} (an exercise left blank)" if blank else str(err)}
+    except Exception as err:  # noqa: BLE001 - any other failure of the submission's code
+        traceback.print_exc()
+        return {"status": "error", "detail": _last_line(err), "timing": None}
+    return {"status": "ok", "detail": "", "timing": timing}
+
+
+def _plain(obj):
+    """JSON for numpy and torch scalars; NaN stays NaN (the board reads it back with Python's json)."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    started = time.monotonic()
+    result = run(job)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    Path(job["result"]).write_text(json.dumps(result, default=_plain, allow_nan=True), encoding="utf-8")
+    sys.stdout.flush()
+    return 0 if math.isfinite(result["seconds"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Synthetic submissions for the speed-of-light board, made from the solution notebooks by text substitution.
+
+nbgrader's layout, ``ROOT/<student>/<assignment>/<assignment>.ipynb``. Each variant is a list of
+(old, new) replacements in the solution's code cells; each ``old`` must occur exactly once.
+
+- ``ok``: the solution; ``wrong``: o divided by l + 1 (a wrong result at every shape); ``flagged``: the wrapper
+  calls ``F.scaled_dot_product_attention``; ``error``: an answer cell raises (NameError); ``timeout``: an answer
+  cell sleeps past any limit.
+- Weaker, still right, for the GPU ranking: 08 ``nosplit`` (decode_split and paged_decode launch one split),
+  06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them).
+
+GPU check (instructors, the lead): ``python tests/board_fixture.py DIR`` writes DIR/<assignment>/<student>/...
+for both assignments with the students ok, the weaker variant, wrong and flagged; then
+``python -m labkit board 08_decode_attention --submitted DIR/08_decode_attention --out build/board08``.
+
+Used in: tests/test_board.py.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+VARIANTS = {
+    "08_decode_attention": {
+        "ok": [],
+        "wrong": [("    o = acc / l_safe[:, None]\n", "    o = acc / (l_safe[:, None] + 1.0)\n")],
+        "flagged": [("    o_part, lse_part, _ = split_kv_partials(q, k, v, seqlens, num_splits, max_len=max_len)\n"
+                     "    return combine_partials(o_part, lse_part, q.dtype)\n",
+                     "    o = torch.nn.functional.scaled_dot_product_attention(\n"
+                     "        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)[:, :, 0]\n"
+                     "    return o, torch.zeros(o.shape[:2], device=o.device)\n")],
+        "error": [("def chunk_size(max_len, num_splits, block):\n",
+                   "BLOCK_SPLIT = block_size_for(64)\n\n\ndef chunk_size(max_len, num_splits, block):\n")],
+        "timeout": [("class PageAllocator:\n", "import time\n\ntime.sleep(10_000)\n\n\nclass PageAllocator:\n")],
+        "nosplit": [("        num_splits = launch_splits(q.shape[0], k.shape[2], max_len, BLOCK_N)\n",
+                     "        num_splits = 1\n"),
+                    ("        num_splits = launch_splits(q.shape[0], k_pages.shape[2], max_len, page_size)\n",
+                     "        num_splits = 1\n")],
+    },
+    "06_triton_flashattention": {
+        "ok": [],
+        "wrong": [("(acc / l_safe[:, None])", "(acc / (l_safe[:, None] + 1.0))")],
+        "flagged": [("        o, lse = flash_attention_forward(q, k, v, is_causal=is_causal)\n",
+                     "        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)\n"
+                     "        lse = torch.zeros(q.shape[:-1], device=q.device)\n")],
+        "noskip": [("        hi = tl.minimum(N_K, start_m + BLOCK_M + shift)                    # keys any row here sees\n",
+                    "        hi = N_K                                                           # no tile skipped\n")],
+    },
+}
+GPU_STUDENTS = {"08_decode_attention": ["ok", "nosplit", "wrong", "flagged"],
+                "06_triton_flashattention": ["ok", "noskip", "wrong", "flagged"]}
+
+
+def variant(assignment: str, name: str) -> dict:
+    """The solution notebook of ``assignment`` with the replacements of variant ``name``."""
+    nb = json.loads((ROOT / "solutions" / assignment / f"{assignment}.ipynb").read_text(encoding="utf-8"))
+    for old, new in VARIANTS[assignment][name]:
+        hits = [c for c in nb["cells"] if c["cell_type"] == "code" and old in "".join(c["source"])]
+        assert len(hits) == 1 and "".join(hits[0]["source"]).count(old) == 1, f"{assignment} {name}: {old!r}"
+        hits[0]["source"] = "".join(hits[0]["source"]).replace(old, new).splitlines(True)
+    return nb
+
+
+def write_submitted(root: Path, assignment: str, students: list[str]) -> Path:
+    """``root/<variant>/<assignment>/<assignment>.ipynb`` for each variant in ``students``; returns ``root``."""
+    for name in students:
+        folder = Path(root) / name / assignment
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{assignment}.ipynb").write_text(json.dumps(variant(assignment, name), ensure_ascii=False, indent=1)
+                                                    + "\n", encoding="utf-8")
+    return Path(root)
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "build/board-submitted")
+    for assignment, students in GPU_STUDENTS.items():
+        print(f"wrote {write_submitted(out / assignment, assignment, students) / '*' / assignment}")
