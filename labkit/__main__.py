@@ -89,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="the inputs' seed (default: a fresh secret one per run)")
     board.add_argument("--anonymize", action="store_true", help="pseudonyms instead of student IDs")
     board.add_argument("--jobs", type=ca.integer(1, 2), default=2, help="students at once on a CPU (1 on a GPU)")
-    board.add_argument("--memory-gb", type=ca.number(0, 16), default=16.0,
-                       help="memory limit per student (CPU: address space; GPU: of the card's memory)")
+    board.add_argument("--memory-gb", type=ca.number(0, 16), default=None,
+                       help="memory limit per student (CPU: address space, default 16; GPU: default 90%% of the card)")
     parser.commands = sub.choices  # each command's parser, for the checks after parsing (_check)
     return parser
 

@@ -7,8 +7,9 @@ here), the secret seed, whether to time, and where to write the result, a JSON o
 ``{"status", "detail", "timing"}``. Steps, the first failure deciding the status:
 
 1. Guards: the course's no-network guard (:func:`labkit.runguard.install`, ``report`` mode: a connection
-   fails, a warning only prints); a memory limit (CPU: ``RLIMIT_AS``; GPU: a fraction of the card through
-   ``torch.cuda.set_per_process_memory_fraction``, since CUDA reserves address space far beyond its use).
+   fails, a warning only prints); a memory limit, ``memory_gb`` (CPU: ``RLIMIT_AS``, default 16 GiB; GPU: a
+   fraction of the card through ``torch.cuda.set_per_process_memory_fraction``, default 90%: CUDA reserves
+   address space far beyond its use, so ``RLIMIT_AS`` cannot cap it).
 2. A snapshot of what a submission could patch to look fast or right: SDPA and the softmaxes, the timers
    (``triton.testing.do_bench``, CUDA events and graphs, ``time.perf_counter``), and every function of
    labkit's timing, reference and grading modules and of :mod:`labkit.boardshapes`.
@@ -98,15 +99,13 @@ class Verdict(Exception):
 
 def _limit_memory(job: dict, device: torch.device) -> None:
     gb = job.get("memory_gb")
-    if not gb:
-        return
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 2**30 / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 2**30 / total) if gb else 0.9, device)
     else:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_AS, (int(gb * 2**30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        resource.setrlimit(resource.RLIMIT_AS, (int((gb or 16) * 2**30), resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:

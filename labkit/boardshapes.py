@@ -70,7 +70,7 @@ def _compare(name: str, actual: torch.Tensor, exact: torch.Tensor, plain: torch.
     if dtype == torch.float32 or plain is None:
         grading.check_tensor(actual, exact, name=name, atol=atol)
     else:
-        floor = 2e-3 * float(exact.abs().max())
+        floor = 1e-2 * float(exact.abs().max())   # lenient: the board catches wrong kernels, the tests grade precision
         grading.check_within_2x(actual, exact, plain, name=name, rule="statistics and accumulators in fp32",
                                 floor=floor)
 
@@ -121,6 +121,10 @@ def _fa_calls(ns: dict, device: torch.device) -> dict:
     return {"forward": lambda: fn(x, x, x, True), "backward": lambda: fn(x, x, x, True).sum().backward()}
 
 
+FA_TIMED = dict(seq_lens=[1024, 4096, 16384], head_dims=[64, 128], tokens=16384, width=2048)   # 06's GPU sweep
+PEAK_N = 8192   # the matmul of the compute peak: n x n x n, bf16
+
+
 def _fa_time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
     from . import attention, bench
 
@@ -131,22 +135,26 @@ def _fa_time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dic
         return fn(q, k, v, causal)
 
     library = [b for b in ("sdpa_flash", "sdpa_cudnn", "fa4")
-               if all(attention.why_not(b, device=device, dtype=torch.bfloat16, head_dim=d) is None for d in (64, 128))]
-    configs = bench.fixed_token_configs([1024, 4096, 16384], [64, 128], tokens=16384, width=2048)
+               if all(attention.why_not(b, device=device, dtype=torch.bfloat16, head_dim=d) is None
+                      for d in FA_TIMED["head_dims"])]
+    configs = bench.fixed_token_configs(**FA_TIMED)
     sweep = bench.attention_sweep(configs, backends=library, custom={"student": student}, dtype=torch.bfloat16,
                                   device=device, target_ms=target_ms, progress=False)
+    bad = sweep[(sweep["backend"] == "student") & (sweep["status"] != "ok")]
+    if len(bad):
+        raise RuntimeError(f"the timed call failed at N={bad.iloc[0]['N']} D={bad.iloc[0]['D']}: {bad.iloc[0]['status']}")
     gen = torch.Generator().manual_seed(seed)
     for (n, d, causal), (q, k, v) in kept.items():                   # new values, the same tensors
         with torch.no_grad():
             for t in (q, k, v):
                 t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-            o = fn(q, k, v, causal)[:1, :2, -128:]                       # rows of batch 0, heads 0-1: a small exact
-            qs, ks, vs = q[:1, :2, -128:], k[:1, :2], v[:1, :2]
-            diag = k.shape[-2] - q.shape[-2] + q.shape[-2] - 128
+            rows = min(128, n)                                               # batch 0, heads 0-1, the last rows:
+            o = fn(q, k, v, causal)[:1, :2, -rows:]                          # a small exact reference
+            qs, ks, vs, diag = q[:1, :2, -rows:], k[:1, :2], v[:1, :2], k.shape[-2] - rows
             _compare(f"o after the timing, inputs rewritten in place (N={n} D={d} causal={causal})", o,
                      attention_exact(qs, ks, vs, causal, diag), attention_exact(qs, ks, vs, causal, diag, torch.bfloat16),
                      torch.bfloat16, 0.0)
-    peak = bench.matmul_peak_tflops(device=device, dtype=torch.bfloat16)
+    peak = bench.matmul_peak_tflops(device=device, dtype=torch.bfloat16, n=PEAK_N)
     ok = sweep[sweep["status"] == "ok"]
     result = {"peak_tflops": peak, "rows": ok[["backend", "N", "D", "causal", "mode", "tflops"]].to_dict("records"),
               "failed": {r.backend: r.status for r in sweep[sweep["status"] != "ok"].itertuples()}}
@@ -228,7 +236,8 @@ def _decode_calls(ns: dict, device: torch.device) -> dict:
             "paged_decode": lambda: ns["paged_decode"](q, kp, vp, table, lens)}
 
 
-DECODE_TIMED = [(1, 4096), (1, 16384), (1, 65536), (8, 8192)]   # (B, N); H_q 32, H_kv 8, d 128, bf16, pages of 64
+DECODE_TIMED = [(1, 4096), (1, 16384), (1, 65536), (8, 8192)]   # (B, N), bf16
+DECODE_HEADS = (32, 8, 128, 64)   # H_q, H_kv, d, page size: notebook 08's GPU shapes
 MINE = ("student contiguous", "student paged")
 
 
@@ -236,13 +245,14 @@ def _decode_time(ns: dict, seed: int, device: torch.device, target_ms: float) ->
     from . import decode
 
     split, paged, gen, rows = ns["decode_split"], ns["paged_decode"], torch.Generator().manual_seed(seed), []
+    hq, hkv, d, page = DECODE_HEADS
     read_bw = decode.read_bandwidth(device=device)
     for b, n in DECODE_TIMED:
         lens, per_cache = torch.full((b,), n, dtype=torch.int32, device=device), []
-        for _ in range(decode.caches_for(2 * b * n * 8 * 128 * 2, device)):
-            q, k, v = _randn(gen, b, 32, 128, dtype=torch.bfloat16, device=device), *(
-                _randn(gen, b, n, 8, 128, dtype=torch.bfloat16, device=device) for _ in range(2))
-            kp, vp, table = paged_copy(k, v, 64, gen)
+        for _ in range(decode.caches_for(2 * b * n * hkv * d * 2, device)):
+            q, k, v = _randn(gen, b, hq, d, dtype=torch.bfloat16, device=device), *(
+                _randn(gen, b, n, hkv, d, dtype=torch.bfloat16, device=device) for _ in range(2))
+            kp, vp, table = paged_copy(k, v, page, gen)
             calls = {MINE[0]: lambda q=q, k=k, v=v: split(q, k, v, lens, max_len=n),
                      MINE[1]: lambda q=q, kp=kp, vp=vp, t=table: paged(q, kp, vp, t, lens, max_len=n),
                      **decode.yardsticks(q, k, v, ("sdpa_flash", "sdpa_cudnn", "fa4")),
@@ -259,13 +269,14 @@ def _decode_time(ns: dict, seed: int, device: torch.device, target_ms: float) ->
         with torch.no_grad():                                              # new values, the same tensors
             for t in (q, k, v):
                 t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-            kp.copy_(to_pages(k, table, 64))
-            vp.copy_(to_pages(v, table, 64))
-            o64 = decode_exact(q[:1, :4], k[:1, :, :1], v[:1, :, :1], lens[:1])[0]
-            plain = decode_exact(q[:1, :4], k[:1, :, :1], v[:1, :, :1], lens[:1], torch.bfloat16)[0]
+            kp.copy_(to_pages(k, table, page))
+            vp.copy_(to_pages(v, table, page))
+            g = hq // hkv                                                  # batch 0, KV head 0: its g query heads
+            o64 = decode_exact(q[:1, :g], k[:1, :, :1], v[:1, :, :1], lens[:1])[0]
+            plain = decode_exact(q[:1, :g], k[:1, :, :1], v[:1, :, :1], lens[:1], torch.bfloat16)[0]
             for name, o in ((MINE[0], split(q, k, v, lens, max_len=n)[0]),
                             (MINE[1], paged(q, kp, vp, table, lens, max_len=n)[0])):
-                _compare(f"{name} after the timing, inputs rewritten in place (B={b}, N={n})", o[:1, :4], o64,
+                _compare(f"{name} after the timing, inputs rewritten in place (B={b}, N={n})", o[:1, :g], o64,
                          plain, torch.bfloat16, 0.0)
         del per_cache
         decode.release(device)

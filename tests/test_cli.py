@@ -167,11 +167,25 @@ BAD_INPUT = [
     (["cp-train", "--seq-len", "64", "--single", "--json", "FOLDER"], ["argument --json", "is a folder",
                                                                       "e.g. build/cp.json"]),
     (["cp-train", "--seq-len", "64", "--size", "huge"], ["argument --size", "invalid choice", "'tiny'"]),
+    (["board", "08_decode_attention", "--submitted", "MISSING"], ["argument --submitted", "no folder",
+                                                                   "e.g. submitted"]),
+    (["board", "08_decode_attention", "--submitted", "FOLDER"], ["argument --submitted", "<student>/08_decode_attention/"
+                                                                  "08_decode_attention.ipynb", "e.g. --submitted"]),
+    (["board", "07_context_parallel", "--submitted", "FOLDER"], ["argument assignment", "invalid choice",
+                                                                  "'08_decode_attention'"]),
+    (["board", "08_decode_attention", "--submitted", "FOLDER", "--timeout", "0"], ["argument --timeout",
+                                                                                    "integer >= 1", "e.g. 900"]),
+    (["board", "08_decode_attention", "--submitted", "FOLDER", "--seed", "-1"], ["argument --seed", "integer >= 0"]),
+    (["board", "08_decode_attention", "--submitted", "FOLDER", "--jobs", "0"], ["argument --jobs", "integer >= 1"]),
+    (["board", "08_decode_attention", "--submitted", "FOLDER", "--memory-gb", "0"], ["argument --memory-gb",
+                                                                                      "number > 0", "e.g. 16"]),
+    (["board", "08_decode_attention", "--submitted", "FOLDER", "--out", "FILE"], ["argument --out", "a file",
+                                                                                   "e.g. build/board"]),
 ]
 
 
 @pytest.mark.parametrize("argv, says", BAD_INPUT, ids=lambda v: " ".join(v) if isinstance(v[0], str) and
-                         v[0] in ("bench", "execute", "reference", "bundle", "longctx", "cp-train") else "")
+                         v[0] in ("bench", "execute", "reference", "bundle", "longctx", "cp-train", "board") else "")
 def test_bad_input_answers_one_line_with_exit_status_2(argv, says, tmp_path, monkeypatch, capsys):
     """Every command checks its arguments before it starts any work: one line names the option, the rule and a
     valid value, exit status 2, as argparse answers (no traceback, nothing written, no process started)."""
@@ -190,7 +204,8 @@ def test_bad_input_answers_one_line_with_exit_status_2(argv, says, tmp_path, mon
 
 
 @pytest.mark.parametrize("command", [["doctor"], ["bench"], ["execute"], ["reference"], ["bundle"],
-                                     ["longctx", "compare"], ["longctx", "search"], ["cp-train"]])
+                                     ["longctx", "compare"], ["longctx", "search"], ["cp-train"],
+                                     ["board"]])
 def test_help_shows_every_option(command, capsys):
     with pytest.raises(SystemExit) as info:
         main([*command, "--help"])

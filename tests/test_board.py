@@ -1,0 +1,133 @@
+"""Tests for the speed-of-light board (``labkit.board``, ``boardrun``, ``boardshapes``, ``boardreport``).
+
+The boards run on a CPU through Triton's interpreter (correctness only): synthetic submissions made from the
+solution notebooks (tests/board_fixture.py), one process per student; the 08 and 06 boards run at once, each
+student in its own process, so the student that sleeps past the limit costs the limit once.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from board_fixture import ROOT, variant, write_submitted
+from labkit import board, boardreport, boardshapes
+
+LIMIT = 45   # seconds per student: the sleeper's cost; a CPU student takes ~10 s beside 7 others on 2 cores
+STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "timeout", "tamper"],
+            "06_triton_flashattention": ["ok", "wrong", "flagged"]}
+TAMPER = ("class PageAllocator:\n", "import labkit.measure\n\nlabkit.measure.time_interleaved = "
+                                    "lambda fns, **kwargs: ({}, {})\n\n\nclass PageAllocator:\n")
+
+
+@pytest.fixture(scope="module")
+def boards(tmp_path_factory):
+    """assignment -> (the board's rows, its output folder), both boards run at once."""
+    root = tmp_path_factory.mktemp("board")
+    for assignment, students in STUDENTS.items():
+        write_submitted(root / "submitted" / assignment, assignment, [s for s in students if s != "tamper"])
+    tamper = variant("08_decode_attention", "ok")
+    cell = next(c for c in tamper["cells"] if TAMPER[0] in "".join(c["source"]))
+    cell["source"] = "".join(cell["source"]).replace(*TAMPER)
+    folder = root / "submitted" / "08_decode_attention" / "tamper" / "08_decode_attention"
+    folder.mkdir(parents=True)
+    (folder / "08_decode_attention.ipynb").write_text(json.dumps(tamper), encoding="utf-8")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {a: pool.submit(board.board, a, root / "submitted" / a, root / a, seed=7, timeout=LIMIT, gpu=False,
+                               jobs=len(STUDENTS[a])) for a in STUDENTS}
+        return {a: (run.result().set_index("student"), root / a) for a, run in runs.items()}
+
+
+@pytest.mark.parametrize("assignment", list(STUDENTS))
+def test_each_submission_gets_its_status(boards, assignment):
+    table, out = boards[assignment]
+    expected = {s: ("flagged" if s == "tamper" else s) for s in STUDENTS[assignment]}
+    assert table["status"].to_dict() == expected, table[["status", "detail"]].to_string()
+    assert table.loc["ok", "detail"] == ""
+    assert "scaled_dot_product_attention" in table.loc["flagged", "detail"]
+    assert table["score"].isna().all(), "a CPU board checks correctness only: no score"
+    csv = pd.read_csv(out / "board.csv")
+    assert {"student", "status", "detail", "score"} <= set(csv.columns) and len(csv) == len(expected)
+    assert list(csv["status"]) == sorted(csv["status"], key=boardreport.ORDER.get), "ranked: ok first"
+    page = (out / "board.html").read_text(encoding="utf-8")
+    assert all(s in page for s in expected) and "correctness only" in page
+    assert (out / "logs" / "ok.log").exists()
+
+
+def test_08_statuses_name_their_cause(boards):
+    table, _ = boards["08_decode_attention"]
+    assert "NameError" in table.loc["error", "detail"] and "cell" in table.loc["error", "detail"]
+    assert f"{LIMIT} s" in table.loc["timeout", "detail"]
+    assert "labkit.measure.time_interleaved" in table.loc["tamper", "detail"]
+    assert "lens=" in table.loc["wrong", "detail"], "the wrong answer is named with the shape that showed it"
+
+
+def test_cells_to_run_skip_tests_demos_and_everything_after_the_kernels():
+    nb = json.loads((ROOT / "solutions/08_decode_attention/08_decode_attention.ipynb").read_text(encoding="utf-8"))
+    cells = board.cells_to_run(nb, boardshapes.SPECS["08_decode_attention"].graded)
+    sources = "\n".join(c["source"] for c in cells)
+    graded = [i for i, c in enumerate(nb["cells"]) if c["metadata"].get("nbgrader", {}).get("grade")
+              and not c["metadata"]["nbgrader"].get("solution")]
+    assert not set(graded) & {c["index"] for c in cells}, "no test cell runs"
+    assert "def paged_decode" in sources and cells[-1]["source"].count("def paged_decode") == 1, "stops at the last"
+    assert "sdpa_decode_sweep" not in sources and "matmul_peak_tflops" not in sources, "no measurement runs"
+    assert "PROGRAMS_PER_SM = 4" in sources and "if lk.grading.answered" not in sources.split("def paged_decode")[0]
+    assert "MODE = lk.tritonmode.setup()" in sources, "the first code cell runs whole"
+    assert "tiny_llama" not in sources
+
+
+def test_magics_and_unparsable_cells():
+    nb = {"cells": [{"cell_type": "code", "metadata": {}, "source": "import torch\n%matplotlib inline\n"},
+                    {"cell_type": "code", "metadata": {}, "source": "x = f(\nX = 1\n"},
+                    {"cell_type": "code", "metadata": {"nbgrader": {"solution": True}},
+                     "source": "!pip install foo\ndef decode_split():\n    pass\n"},
+                    {"cell_type": "code", "metadata": {}, "source": "def later():\n    pass\n"}]}
+    cells = board.cells_to_run(nb, ("decode_split",))
+    assert [c["index"] for c in cells] == [0, 2]
+    assert "%" not in cells[0]["source"] and "pip" not in cells[1]["source"]
+
+
+def _timing(student: float, library: dict[str, float]) -> dict:
+    return {"student": {"fwd": student, "fwd_bwd": student, "score": student}, "peak_tflops": 900.0, "rows": [],
+            "failed": {}, **{name: {"fwd": v, "fwd_bwd": v, "score": v} for name, v in library.items()}}
+
+
+def test_report_ranks_scores_and_draws_the_library_as_lines(tmp_path):
+    results = {"b": {"status": "ok", "timing": _timing(0.30, {"sdpa_flash": 0.40, "fa4": 0.60})},
+               "a": {"status": "ok", "timing": _timing(0.45, {"sdpa_flash": 0.42, "fa4": 0.58})},
+               "c": {"status": "wrong", "detail": "o off", "timing": None},
+               "d": {"status": "timeout", "detail": "past", "timing": None}}
+    table = boardreport.ranked(pd.DataFrame([board._row(s, r) for s, r in results.items()]))
+    assert list(table["student"]) == ["a", "b", "c", "d"] and list(table["rank"][:2]) == [1, 2]
+    assert table["rank"][2:].isna().all() and table.loc[0, "best_library"] == "fa4"
+    assert math.isclose(table.loc[0, "vs_best_library"], 0.45 / 0.58)
+    assert {"score_fwd", "score_fwd_bwd"} <= set(table.columns)
+    lines = boardreport.library_lines([r["timing"] for r in results.values()])
+    assert lines == pytest.approx({"sdpa_flash": 0.41, "fa4": 0.59})
+    page = boardreport.write_html(table, [r["timing"] for r in results.values()], tmp_path / "b.html",
+                                  assignment="06_triton_flashattention", gpu=True)
+    text = page.read_text(encoding="utf-8")
+    assert "<svg" in text and "fa4 (59%)" in text and "TFLOP/s" in text
+
+
+def test_anonymous_names_are_stable_per_seed_and_hide_the_id():
+    assert board.anonymous("s1120001", 3) == board.anonymous("s1120001", 3) != board.anonymous("s1120001", 4)
+    assert "1120001" not in board.anonymous("s1120001", 3)
+
+
+def test_geomean_and_exact_references():
+    import torch
+
+    assert boardshapes.geomean([0.25, 1.0]) == pytest.approx(0.5) and math.isnan(boardshapes.geomean([0.5, 0.0]))
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (5, 9, 9))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    mask = torch.ones(5, 9, dtype=torch.bool).tril(diagonal=4)                      # bottom-right causal
+    assert torch.allclose(boardshapes.attention_exact(q, k, v, True), sdpa(q, k, v, attn_mask=mask))
+    kp, vp, table = boardshapes.paged_copy(k[0].transpose(0, 1)[None].expand(2, -1, -1, -1), v[0].transpose(0, 1)[None]
+                                           .expand(2, -1, -1, -1), 4, torch.Generator().manual_seed(0))
+    assert kp.shape == (6, 4, 2, 8) and sorted(table.flatten().tolist()) == list(range(6))
+    assert torch.equal(kp[table[1, 2]][0], k[0, :, 8])                              # token 8: page 2, slot 0
