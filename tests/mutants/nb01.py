@@ -59,6 +59,7 @@ RULES = {
         'skip start keeps the tile the diagonal crosses (N=63, Nk=64, 16-row blocks)',
         'causal tiles above the diagonal are skipped (NaN dO never read)',
         'bf16/fp16 inputs: dq, dk, dv accumulated in fp32, by the 2x rule (many tiles)',
+        'D = rowsum(dO * O) in fp32 from bf16/fp16 o and do: upcast before the product, not stored in bf16 (2x rule)',
     ],
     'ex5b_flash_function': [
         'own code: no labkit, SDPA or torch.softmax',
@@ -108,6 +109,7 @@ _EX5A_ZEROS = """    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
 """
+_EX5A_DELTA = "delta = (do.to(acc) * o.to(acc)).sum(dim=-1, keepdim=True)"
 _EX5B_SAVED = """        ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal = is_causal
         return o
@@ -302,7 +304,13 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                           'acc = torch.promote_types(q.dtype, torch.float32)',
                           'acc = q.dtype'),
                          ('dq, dk, dv accumulated in the input dtype', _EX5A_ZEROS,
-                          _EX5A_ZEROS.replace("dtype=acc", "dtype=q.dtype"))],
+                          _EX5A_ZEROS.replace("dtype=acc", "dtype=q.dtype")),
+                         ('D from the bf16/fp16 product and sum (no upcast)', _EX5A_DELTA,
+                          'delta = (do * o).sum(dim=-1, keepdim=True).to(acc)'),
+                         ('D: dO * O rounded to bf16/fp16, then summed in fp32', _EX5A_DELTA,
+                          'delta = (do * o).to(acc).sum(dim=-1, keepdim=True)'),
+                         ('D summed in fp32, stored in the input dtype', _EX5A_DELTA,
+                          'delta = (do.to(acc) * o.to(acc)).sum(dim=-1, keepdim=True).to(q.dtype)')],
  'ex5b_flash_function': [('causal flag lost for backward', 'ctx.is_causal = is_causal', 'ctx.is_causal = False'),
                          ('forward ignores is_causal',
                           'flash_attention_forward(q, k, v, is_causal=is_causal)',
@@ -359,7 +367,7 @@ FITTED = {
     'ex4_flash_forward': [('tile mask offset only for the visible shapes', '[:, None] + (nk - n)',
                            '[:, None] + (nk - n if n in (1, 24, 40, 48, 57, 63) else 0)')],
     'ex5a_flash_backward': [('tile mask offset only for the visible shapes', '[:, None] + (nk - n)',
-                             '[:, None] + (nk - n if n in (24, 57, 63, 128) else 0)')],
+                             '[:, None] + (nk - n if n in (24, 44, 57, 63, 128) else 0)')],
     'ex5b_flash_function': [('lse saved as [B, H, N] (4-D inputs only)',
                              'ctx.save_for_backward(q, k, v, o, lse)',
                              'ctx.save_for_backward(q, k, v, o, lse.reshape(-1, *lse.shape[-2:]))')],

@@ -17,6 +17,7 @@ RULES = {
         "output dtype follows value (bf16 in, bf16 out)",
         "fp64 inputs computed in fp64 (atol 1e-12)",
         "precision rule: scores and softmax in fp32 for bf16/fp16 inputs (2x rule against float64, large scores)",
+        "softmax statistics (row max, sum of exp, lse) kept fp32: value equal on every key gives that value exactly",
     ],
     "ex2_register": [
         "returns name",
@@ -34,6 +35,7 @@ RULES = {
         "ok = err_impl <= factor * err_eager + 1e-6 with the factor passed",
         "eager against itself with factor=1: equal errors, ok (<=, not <)",
         "a wrong implementation (no scaling) does not pass",
+        "relative L2 computed in float64: logits ~1e19 give the same ~1% (fp32 squares overflow to inf)",
         "model.eval() first: dropout off",
     ],
     "ex4_padding": [
@@ -54,6 +56,8 @@ RULES = {
         "KV cache used: one token per forward after the prefill, keys grow by one",
     ],
 }
+
+_EX1_SOFTMAX = "probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)"
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
@@ -88,6 +92,19 @@ MISTAKES = {
          "return out.reshape(out.shape[0], out.shape[2], out.shape[1], out.shape[3]), None"),
         ("masked scores set to finfo.min (a fully masked row averages V)", 'scores = torch.where(keep, scores, float("-inf"))',
          "scores = torch.where(keep, scores, torch.finfo(acc).min)"),
+        ("own softmax: fp32 exp, its sum rounded to the input dtype", _EX1_SOFTMAX,
+         "m = scores.amax(-1, keepdim=True)\n    e = torch.exp(scores - m)\n"
+         "    probs = (e / e.sum(-1, keepdim=True).to(value.dtype)).nan_to_num(0.0)"),
+        ("own softmax: exp rounded to the input dtype, then summed", _EX1_SOFTMAX,
+         "m = scores.amax(-1, keepdim=True)\n    e = torch.exp(scores - m).to(value.dtype)\n"
+         "    probs = (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)"),
+        ("own softmax: row max and sum kept in the input dtype", _EX1_SOFTMAX,
+         "m = scores.amax(-1, keepdim=True).to(value.dtype)\n    e = torch.exp(scores - m)\n"
+         "    probs = (e / e.sum(-1, keepdim=True).to(value.dtype)).nan_to_num(0.0)"),
+        ("own softmax: lse in the input dtype", _EX1_SOFTMAX,
+         "m = scores.amax(-1, keepdim=True)\n"
+         "    lse = (m + torch.exp(scores - m).sum(-1, keepdim=True).log()).to(value.dtype)\n"
+         "    probs = torch.exp(scores - lse).nan_to_num(0.0)"),
     ],
     "ex2_register": [
         ("mask function not registered", "    AttentionMaskInterface.register(name, sdpa_mask)\n", ""),
@@ -118,6 +135,8 @@ MISTAKES = {
          'err_eager = (logits("eager", True) - ref).norm() / ref_norm'),
         ("strict < without the 1e-6 floor", "err_impl <= factor * err_eager + 1e-6", "err_impl < factor * err_eager"),
         ("autocast device hard-coded to cuda", "torch.autocast(input_ids.device.type,", 'torch.autocast("cuda",'),
+        ("relative L2 in fp32", ".logits.double()", ".logits.float()"),
+        ("logits not upcast (fp32 arithmetic on bf16 and fp32 logits)", ".logits.double()", ".logits"),
     ],
     "ex4_padding": [
         ("right pads keep the last position", "(attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)",
