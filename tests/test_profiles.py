@@ -114,6 +114,17 @@ def test_the_gpu_sizes_follow_the_memory_and_the_cap_limits_the_process(fake_cud
     assert fake_cuda.fractions == ([] if fraction is None else [pytest.approx(fraction)])
 
 
+@pytest.mark.parametrize("total_gib, n, steps", [(7.79, 512, 20), (14.75, 1024, 20), (23.65, 2048, 20), (79.1, 4096, 50)])
+def test_a_cards_reported_memory_picks_the_entry_of_its_label(fake_cuda, total_gib, n, steps):
+    """Real cards report a little less than their label in GiB (an RTX 3070 7.79, a T4 14.75, an RTX 4090 23.65,
+    an H100 79.1): each takes its label's entry; a smaller entry keeps the larger entries' keys it does not set."""
+    class Card:
+        total_memory = int(total_gib * 2**30)
+    fake_cuda.setattr(torch.cuda, "get_device_properties", lambda device: Card)
+    p = lk.profiles.choose(**SIZES, smaller_gpu={24: dict(n=2048, steps=20), 16: dict(n=1024), 8: dict(n=512)})
+    assert (p.n, p.steps, p.memory_gb) == (n, steps, pytest.approx(total_gib))
+
+
 @pytest.mark.parametrize("cap", ["0", "-5", "eight"])
 def test_a_bad_memory_cap_is_refused_with_the_rule(fake_cuda, cap):
     fake_cuda.setenv("LABKIT_GPU_MEMORY_GB", cap)
