@@ -14,7 +14,7 @@ ASSIGNMENTS := $(notdir $(wildcard solutions/[0-9]*))
 # JupyterLab refuses to start as root (most GPU containers and cloud images) without --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test test-latest lock release doctor bench execute reference bundle
+.PHONY: setup lab test test-latest lock release doctor bench execute reference bundle board
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -56,3 +56,6 @@ reference: execute    ## on a GPU machine: store the GPU-only cells' outputs, sh
 
 bundle: setup         ## student zip without solutions or hidden tests: build/student-bundle.zip
 	$(PY) -m labkit bundle --out build/student-bundle.zip
+
+board: setup          ## on a GPU: rank the students' kernels, e.g. make board ASSIGNMENT=08_decode_attention SUBMITTED=submitted
+	HF_HUB_OFFLINE=1 $(PY) -m labkit board $(ASSIGNMENT) --submitted $(or $(SUBMITTED),submitted) --out build/board/$(ASSIGNMENT)
