@@ -12,6 +12,7 @@ memory, and whether ``tl.dot`` became Hopper's ``wgmma`` or Ampere's ``mma.sync`
 - :func:`check_compiles`: the test cells' check; fails in :mod:`labkit.grading`'s style, naming the
   kernel, the architecture and the cause.
 - :func:`check_no_tf32`: the test cells' check that fp32 launches stay IEEE fp32 in the compiled code.
+- :func:`check_fp32_statistics`: the test cells' check that bf16/fp16 launches compute in fp32 (Triton IR).
 - :func:`report_table`: the reports as a DataFrame.
 
 The compiler runs in a separate Python process (``tritoncompile_worker.py``) with the interpreter
@@ -76,6 +77,7 @@ class Report:
     shared_bytes: int | None
     mma: str | None
     tf32: bool | None = None
+    low_precision: tuple = ()   # ttir_only: (function, statement, kind, op, type): see the worker's low_precision
 
 
 def _python_function(kernel) -> Callable | None:
@@ -170,8 +172,17 @@ def _explain(error: str, arch: int) -> str:
     return f"Triton 編譯器（{ARCHS.get(arch, arch)}）拒絕了這個 kernel：{first}"
 
 
+def _distinct(launches: list[Launch], by_types: bool) -> dict:
+    """The first launch of each kernel (``by_types``: of each kernel and tensor argument types), in order."""
+    first: dict = {}
+    for launch in launches:
+        types = tuple(_arg_type(v) for v in launch.args.values() if isinstance(v, torch.Tensor)) if by_types else ()
+        first.setdefault((launch.fn, types), launch)
+    return first
+
+
 def compile_launches(launches: list[Launch], archs=(80, 90), config: dict | None = None,
-                     timeout: float = 300.0) -> list[Report]:
+                     timeout: float = 300.0, ttir_only: bool = False) -> list[Report]:
     """Compile each distinct kernel among ``launches`` (its first launch's argument types) for each arch.
 
     Args:
@@ -180,17 +191,17 @@ def compile_launches(launches: list[Launch], archs=(80, 90), config: dict | None
         config: overrides of the launches' constexprs and options, e.g. ``{"BLOCK_M": 128,
             "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}``: the tiles a GPU would use, where the
             recorded launch had the interpreter's small ones. Keys a kernel lacks are ignored.
+        ttir_only: run the frontend only (Triton IR: no PTX, a fraction of a second per kernel), once per
+            kernel and distinct argument types (a bf16 and an fp16 launch both), and fill ``low_precision``.
 
     Returns:
         One :class:`Report` per kernel and arch, in launch order; a kernel the compiler refuses gets
         ``ok=False`` and the reason in ``error``.
     """
     config = dict(config or {})
-    first: dict[Callable, Launch] = {}
-    for launch in launches:
-        first.setdefault(launch.fn, launch)
+    first = _distinct(launches, ttir_only)
     jobs = []
-    for fn, launch in first.items():
+    for (fn, _), launch in first.items():
         params = inspect.signature(fn).parameters
         signature, constexprs = {}, {}
         for name, param in params.items():
@@ -205,13 +216,15 @@ def compile_launches(launches: list[Launch], archs=(80, 90), config: dict | None
     if not jobs:
         return []
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    job = {"source": _module_source(list(first)), "kernels": jobs, "archs": list(archs)}
+    kernels = list(dict.fromkeys(fn for fn, _ in first))
+    job = {"source": _module_source(kernels), "kernels": jobs, "archs": list(archs), "ttir_only": ttir_only}
     done = subprocess.run([sys.executable, str(WORKER)], input=json.dumps(job), capture_output=True, text=True,
                           env=env, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"the Triton compiler process failed:\n{done.stderr[-2000:]}")
     rows = json.loads(done.stdout)
-    return [Report(**{**row, "error": _explain(row["error"], row["arch"]) if row["error"] else ""}) for row in rows]
+    return [Report(**{**row, "error": _explain(row["error"], row["arch"]) if row["error"] else "",
+                      "low_precision": tuple(map(tuple, row.get("low_precision", ())))}) for row in rows]
 
 
 def check_compiles(run: Callable[[], object], *, name: str, archs=(80, 90), config: dict | None = None,
@@ -242,6 +255,46 @@ def check_no_tf32(reports: list[Report], *, name: str, hint: str) -> None:
         grading.check_true(not r.tf32, name=f"{name}：{r.kernel} 在 {ARCHS.get(r.arch, r.arch)} 上保持 IEEE fp32",
                            detail=f"fp32 輸入編譯出的 GPU 程式碼用了 TF32 的張量核心指令（{r.mma} ... .tf32）："
                                   "tl.dot 以 TF32 相乘（尾數只有 10 位元，誤差約 1e-3）。", hint=hint)
+
+
+def _low_precision_words(kind: str, op: str, dtype: str) -> str:
+    """A finding of the worker's ``low_precision`` in Chinese: what ran in ``dtype``, or where a rounded value went."""
+    dtype = {"f16": "fp16"}.get(dtype, dtype)
+    if kind == "computed":
+        short = op.split(".")[-1]
+        word = {"addf": "加法或 tl.sum 的加總", "subf": "減法", "mulf": "乘法", "divf": "除法"}.get(short, f"{short} ")
+        return f"{word}以 {dtype} 計算"
+    use = {"arith.extf": "又轉回 fp32（拿去計算或存進 fp32 的輸出）", "tt.reduce": "拿去歸約（tl.max／tl.sum）",
+           "scf.yield": "帶進下一輪迴圈"}.get(op, f"拿去計算（{op}）")
+    return f"轉成 {dtype}（捨入）之後{use}，不是只給 tl.dot 當運算元或給 tl.store 存回"
+
+
+def check_fp32_statistics(run: Callable[[], object], *, name: str, rule: str, hint: str,
+                          module: str = "__main__") -> list[Report]:
+    """Test-cell check: the notebook kernels ``run()`` launches on bf16/fp16 tensors compute in fp32.
+
+    The interpreter does not compute bf16 as the GPU does, and a statistic rounded to bf16 (a row max, a score)
+    often costs too little on small inputs for a numeric test to see. So read the Triton IR the compiler's
+    front end builds for the same launch (no GPU, well under a second): no arithmetic, exp, log or reduction
+    on bf16/fp16 values, and a value rounded to bf16/fp16 only as a ``tl.dot`` operand or for a ``tl.store``.
+    Fails naming the helper, the statement and the rule.
+    """
+    with recorded(module) as launches:
+        run()
+    grading.check_true(bool(launches), name=name, detail="沒有啟動任何在 notebook 中定義的 Triton kernel。",
+                       hint="答案要呼叫你自己的 @triton.jit kernel（kernel[grid](...)），不是 PyTorch 函式。")
+    reports = compile_launches(launches, archs=(90,), ttir_only=True)
+    for r, launch in zip(reports, _distinct(launches, True).values()):
+        grading.check_true(r.ok, name=f"{name}：{r.kernel} 能編譯", detail=r.error,
+                           hint="在 CPU 上用直譯器通過的 kernel，GPU 的編譯器可能仍然拒絕。")
+        low = "、".join(sorted({POINTER_TYPES[v.dtype] for v in launch.args.values()
+                                if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16)}))
+        places = "\n".join(f"  {fn}：`{stmt}`：{_low_precision_words(*rest)}" for fn, stmt, *rest in r.low_precision[:4])
+        grading.check_true(not r.low_precision, name=f"{name}：{r.kernel}（{low} 輸入）的統計量以 fp32 計算",
+                           detail=f"規則：{rule}。為 GPU 編譯出的 Triton IR 在這些地方用了低精度（這一關讀程式碼："
+                                  f"CPU 上的直譯器不照 GPU 的方式計算 bf16，有些捨入在小例子上的誤差也小到數值測試看不出來）："
+                                  f"\n{places}", hint=hint)
+    return reports
 
 
 def report_table(reports: list[Report]):

@@ -130,3 +130,36 @@ def test_a_global_read_in_a_helper_is_named_too():
         tritoncompile.check_compiles(lambda: _helper_global_kernel[(1,)](torch.ones(16), BLOCK=16), name="kernel",
                                      archs=(90,), module=__name__)
     assert "PLAIN_SCALE" in str(err.value) and "PLAIN_SCALE = tl.constexpr(...)" in str(err.value)
+
+
+@triton.jit
+def _row_softmax_kernel(x_ptr, y_ptr, MODE: tl.constexpr):
+    offs = tl.arange(0, 16)
+    x = tl.load(x_ptr + offs).to(tl.float32)
+    if MODE == 1:                                         # the row max rounded to the input dtype, widened again
+        m = tl.max(x, axis=0).to(x_ptr.dtype.element_ty)
+    else:
+        m = tl.max(x, axis=0)
+    e = tl.exp(x - m)
+    if MODE == 2:                                         # the sum taken in the input dtype
+        s = tl.sum(e.to(x_ptr.dtype.element_ty), axis=0)
+    else:
+        s = tl.sum(e, axis=0)
+    tl.store(y_ptr + offs, (e / s).to(y_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_statistics_kept_in_bf16_are_seen_in_the_triton_ir(mode):
+    def run():
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(16).to(dtype)
+            _row_softmax_kernel[(1,)](x, torch.empty_like(x), MODE=mode)
+
+    if mode == 0:
+        reports = tritoncompile.check_fp32_statistics(run, name="softmax", rule="RULE", hint="HINT", module=__name__)
+        assert len(reports) == 2 and all(r.ok and not r.low_precision for r in reports)  # one per input dtype
+        return
+    with pytest.raises(AssertionError) as err:
+        tritoncompile.check_fp32_statistics(run, name="softmax", rule="RULE", hint="HINT", module=__name__)
+    statement = "m = tl.max(x, axis=0).to(" if mode == 1 else "s = tl.sum(e.to("
+    assert "RULE" in str(err.value) and "bf16" in str(err.value) and statement in str(err.value)
