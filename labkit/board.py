@@ -20,7 +20,8 @@ a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
   ``--cpu`` (or no GPU): Triton's interpreter, every status but no score.
 
 Output: ``OUT/board.csv`` (student, status, detail, score, ...), ``OUT/board.html`` (the ranked table and a bar
-chart with the library kernels as lines), ``OUT/logs/<student>.log`` (what the worker printed).
+chart with the library kernels as lines), ``OUT/timings.json`` (per student, every timed shape and kernel),
+``OUT/logs/<student>.log`` (what the worker printed).
 
 Used by: ``python -m labkit board`` (``make board ASSIGNMENT=...``).
 """
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from . import boardreport
 from .boardshapes import SPECS
 
 ASSIGNMENTS = tuple(SPECS)
@@ -166,23 +168,11 @@ def _row(student: str, result: dict) -> dict:
     timing = result.get("timing") or {}
     mine = timing.get("student") or {}
     row.update({f"score_{k}" if k != "score" else k: v for k, v in mine.items()})
-    library = library_scores(timing)
+    library = boardreport.library_scores(timing)
     if library and row["score"] is not None:
         best = max(library, key=library.get)
         row.update(best_library=best, best_library_score=library[best], vs_best_library=row["score"] / library[best])
     return row
-
-
-def library_scores(timing: dict) -> dict[str, float]:
-    """Library kernel -> its score in one student's timing (06: forward+backward and forward's geometric mean)."""
-    found = {}
-    for name, value in timing.items():
-        if name in ("student", "rows", "failed", "peak_tflops", "read_bw") or name.startswith("student"):
-            continue
-        score = value.get("score") if isinstance(value, dict) else value
-        if isinstance(score, (int, float)) and score == score and name != "read only":
-            found[name] = float(score)
-    return found
 
 
 def anonymous(student: str, seed: int) -> str:
@@ -194,8 +184,6 @@ def board(assignment: str, submitted: Path, out: Path, *, seed: int, timeout: fl
           anonymize: bool = False, jobs: int = 1, memory_gb: float | None = None) -> pd.DataFrame:
     """Run every submission, write ``out/board.csv`` and ``out/board.html``; returns the ranked rows."""
     from tqdm.auto import tqdm
-
-    from .boardreport import ranked, write_html
 
     found = submissions(submitted, assignment)
     logs = Path(out) / "logs"
@@ -209,8 +197,10 @@ def board(assignment: str, submitted: Path, out: Path, *, seed: int, timeout: fl
         for future in concurrent.futures.as_completed(futures):
             results[futures[future]] = future.result()
             bar.update(1)
-    table = ranked(pd.DataFrame([_row(names[s], results[s]) for s in found]))
+    table = boardreport.ranked(pd.DataFrame([_row(names[s], results[s]) for s in found]))
     table.to_csv(Path(out) / "board.csv", index=False)
-    write_html(table, [r.get("timing") for r in results.values()], Path(out) / "board.html", assignment=assignment,
-               gpu=gpu)
+    timings = {names[s]: results[s].get("timing") for s in found}
+    (Path(out) / "timings.json").write_text(json.dumps(timings, default=str), encoding="utf-8")
+    boardreport.write_html(table, [r.get("timing") for r in results.values()], Path(out) / "board.html",
+                           assignment=assignment, gpu=gpu)
     return table

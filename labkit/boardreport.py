@@ -2,6 +2,7 @@
 
 - :func:`ranked`: ``ok`` rows by score (highest first), then ``wrong``, ``flagged``, ``error``, ``timeout``;
   a ``rank`` column for the scored rows.
+- :func:`library_scores`: the library kernels' scores in one student's timing (timed in the same process).
 - :func:`write_html`: one self-contained page: the chart (an inline SVG drawn by matplotlib) and the table.
   Each library kernel's line is its median score over the students' runs (every run times the library
   kernels beside the student's, in the same process).
@@ -37,10 +38,20 @@ def ranked(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def library_scores(timing: dict) -> dict[str, float]:
+    """Library kernel -> its score in one student's timing (06: forward+backward and forward's geometric mean)."""
+    found = {}
+    for name, value in timing.items():
+        if name in ("student", "rows", "failed", "peak_tflops", "read_bw") or name.startswith("student"):
+            continue
+        score = value.get("score") if isinstance(value, dict) else value
+        if isinstance(score, (int, float)) and score == score and name != "read only":
+            found[name] = float(score)
+    return found
+
+
 def library_lines(timings: list[dict | None]) -> dict[str, float]:
     """Library kernel -> its median score over the runs that timed it."""
-    from .board import library_scores
-
     scores: dict[str, list[float]] = {}
     for timing in timings:
         for name, value in library_scores(timing or {}).items():

@@ -9,16 +9,14 @@ nbgrader's layout, ``ROOT/<student>/<assignment>/<assignment>.ipynb``. Each vari
 - Weaker, still right, for the GPU ranking: 08 ``nosplit`` (decode_split and paged_decode launch one split),
   06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them).
 
-GPU check (instructors, the lead): ``python tests/board_fixture.py DIR`` writes DIR/<assignment>/<student>/...
-for both assignments with the students ok, the weaker variant, wrong and flagged; then
-``python -m labkit board 08_decode_attention --submitted DIR/08_decode_attention --out build/board08``.
+GPU check: ``python tests/board_gpu.py`` (:data:`GPU_STUDENTS`: the solution, the weaker variant, and what
+must be flagged or wrong, as compiled kernels).
 
 Used in: tests/test_board.py.
 """
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,12 +44,13 @@ VARIANTS = {
         "flagged": [("        o, lse = flash_attention_forward(q, k, v, is_causal=is_causal)\n",
                      "        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)\n"
                      "        lse = torch.zeros(q.shape[:-1], device=q.device)\n")],
-        "noskip": [("        hi = tl.minimum(N_K, start_m + BLOCK_M + shift)                    # keys any row here sees\n",
+        "noskip": [("        hi = tl.minimum(N_K, start_m + BLOCK_M + shift)"
+                    "                    # keys any row here sees\n",
                     "        hi = N_K                                                           # no tile skipped\n")],
     },
 }
 GPU_STUDENTS = {"08_decode_attention": ["ok", "nosplit", "wrong", "flagged"],
-                "06_triton_flashattention": ["ok", "noskip", "wrong", "flagged"]}
+                "06_triton_flashattention": ["ok", "noskip", "flagged"]}
 
 
 def variant(assignment: str, name: str) -> dict:
@@ -72,9 +71,3 @@ def write_submitted(root: Path, assignment: str, students: list[str]) -> Path:
         (folder / f"{assignment}.ipynb").write_text(json.dumps(variant(assignment, name), ensure_ascii=False, indent=1)
                                                     + "\n", encoding="utf-8")
     return Path(root)
-
-
-if __name__ == "__main__":
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else "build/board-submitted")
-    for assignment, students in GPU_STUDENTS.items():
-        print(f"wrote {write_submitted(out / assignment, assignment, students) / '*' / assignment}")

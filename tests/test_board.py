@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
-from pathlib import Path
 
 import pandas as pd
 import pytest

@@ -1,0 +1,75 @@
+"""The board's GPU check (H100 or H200): the ranking, and the solution's score beside the notebook's own measurement.
+
+    python tests/board_gpu.py 08_decode_attention build/board-gpu board     # the board over GPU_STUDENTS
+    python tests/board_gpu.py 08_decode_attention build/board-gpu compare   # the notebook's measurement, then ratios
+
+``board``: synthetic submissions (tests/board_fixture.py: the solution ``ok``, a weaker right one, and what must
+be ``wrong`` or ``flagged``) into OUT/<assignment>/submitted, then ``python -m labkit board`` over them (seed 7),
+which prints the ranked board and writes board.csv, board.html and timings.json.
+``compare``: in this process, the solution's cells the board runs, then the notebook's own GPU measurement cell
+(08: ``cell-028`` at the board's batch-1 contexts; 06: ``cell-023``, its sweep); per shape, the board's number for
+``ok`` over the notebook's; the issue asks them to agree within 5%.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from board_fixture import GPU_STUDENTS, ROOT, write_submitted
+
+
+def run_board(assignment: str, out: Path) -> int:
+    submitted = write_submitted(out / "submitted", assignment, GPU_STUDENTS[assignment])
+    return subprocess.call([sys.executable, "-m", "labkit", "board", assignment, "--submitted", str(submitted),
+                            "--out", str(out), "--seed", "7"], cwd=ROOT)
+
+
+def notebook_measurement(assignment: str, out: Path) -> pd.DataFrame:
+    """The notebook's own GPU cell on the solution: rows (key columns, notebook) in its units."""
+    from labkit import board, boardrun, boardshapes
+
+    nb = json.loads((ROOT / "solutions" / assignment / f"{assignment}.ipynb").read_text(encoding="utf-8"))
+    by_id = {c.get("id"): "".join(c["source"]) for c in nb["cells"]}
+    ns = {"__name__": "__main__", "display": lambda *args, **kwargs: None}
+    boardrun._run_cells(board.cells_to_run(nb, boardshapes.SPECS[assignment].graded), ns)
+    os.environ["LABKIT_OUT"] = str(out)
+    if assignment == "08_decode_attention":
+        ns["P"].kernel_contexts = [n for b, n in boardshapes.DECODE_TIMED if b == 1]
+        done = next(s for s in by_id.values() if "DONE = {" in s)            # the tiny inputs DONE's calls read
+        boardrun._run_cells([{"index": "DONE", "source": done}, {"index": "cell-004", "source": by_id["cell-004"]},
+                             {"index": "cell-028", "source": by_id["cell-028"]}], ns)
+        table = ns["table"]
+        return pd.DataFrame({"B": 1, "N": table.index, "notebook": table["split-KV"].values})
+    boardrun._run_cells([{"index": "cell-023", "source": by_id["cell-023"]}], ns)
+    sweep = ns["sweep"]
+    mine = sweep[(sweep["backend"] == "triton_fa2") & (sweep["status"] == "ok")]
+    return mine[["N", "D", "causal", "mode", "tflops"]].rename(columns={"tflops": "notebook"})
+
+
+def compare(assignment: str, out: Path) -> None:
+    timing = json.loads((out / "timings.json").read_text(encoding="utf-8"))["ok"]
+    rows = pd.DataFrame(timing["rows"])
+    if assignment == "08_decode_attention":
+        board_rows = rows[rows["kernel"] == "student contiguous"][["B", "N", "gb_per_s"]].rename(
+            columns={"gb_per_s": "board"})
+        keys = ["B", "N"]
+    else:
+        board_rows = rows[rows["backend"] == "student"].drop(columns="backend").rename(columns={"tflops": "board"})
+        keys = ["N", "D", "causal", "mode"]
+    both = notebook_measurement(assignment, out).merge(board_rows, on=keys)
+    both["board / notebook"] = both["board"] / both["notebook"]
+    print(both.round(3).to_string(index=False))
+    ratio = both["board / notebook"]
+    print(f"{assignment}: board / notebook from {ratio.min():.3f} to {ratio.max():.3f}, "
+          f"geometric mean {ratio.prod() ** (1 / len(ratio)):.3f} over {len(ratio)} shapes "
+          f"({'within' if ((ratio - 1).abs() <= 0.05).all() else 'NOT within'} 5%)")
+
+
+if __name__ == "__main__":
+    assignment, out, step = sys.argv[1], Path(sys.argv[2]) / sys.argv[1], sys.argv[3]
+    sys.exit(run_board(assignment, out) if step == "board" else compare(assignment, out))
