@@ -17,7 +17,7 @@ Used in: tests/test_grader_strength.py.
 """
 from importlib import import_module
 
-NOTEBOOKS = ["nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08"]
+NOTEBOOKS = ["nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08", "nb09"]
 
 
 def load(name: str):
