@@ -1,11 +1,15 @@
 """The board's GPU check (H100 or H200): the ranking, and the solution's score beside the notebook's own measurement.
 
+    python tests/board_gpu.py 08_decode_attention build/board-gpu smoke     # a minute: the GPU steps at tiny shapes
     python tests/board_gpu.py 08_decode_attention build/board-gpu board     # the board over GPU_STUDENTS
     python tests/board_gpu.py 08_decode_attention build/board-gpu compare   # the notebook's measurement, then ratios
 
+``smoke``: in this process, the solution's check and timing steps with tiny timed shapes (a bug in the GPU-only
+code shows in a minute, not after the whole board).
 ``board``: synthetic submissions (tests/board_fixture.py: the solution ``ok``, a weaker right one, and what must
-be ``wrong`` or ``flagged``) into OUT/<assignment>/submitted, then ``python -m labkit board`` over them (seed 7),
-which prints the ranked board and writes board.csv, board.html and timings.json.
+be ``wrong`` or ``flagged``; a 4th argument picks some, e.g. ``ok,noskip``) into OUT/<assignment>/submitted, then
+``python -m labkit board`` over them (seed 7): it prints the ranked board and writes board.csv, board.html and
+timings.json.
 ``compare``: in this process, the solution's cells the board runs, then the notebook's own GPU measurement cell
 (08: ``cell-028`` at the board's batch-1 contexts; 06: ``cell-023``, its sweep); per shape, the board's number for
 ``ok`` over the notebook's; the issue asks them to agree within 5%.
@@ -23,8 +27,25 @@ import pandas as pd
 from board_fixture import GPU_STUDENTS, ROOT, write_submitted
 
 
-def run_board(assignment: str, out: Path) -> int:
-    submitted = write_submitted(out / "submitted", assignment, GPU_STUDENTS[assignment])
+def smoke(assignment: str) -> None:
+    import torch
+
+    from board_fixture import variant
+    from labkit import board, boardrun, boardshapes
+
+    boardshapes.FA_TIMED = dict(seq_lens=[256], head_dims=[64], tokens=1024, width=256)
+    boardshapes.DECODE_TIMED, boardshapes.PEAK_N = [(1, 4096), (2, 1000)], 2048
+    spec, ns = boardshapes.SPECS[assignment], {"__name__": "__main__", "display": lambda *args, **kwargs: None}
+    boardrun._run_cells(board.cells_to_run(variant(assignment, "ok"), spec.graded), ns)
+    device = torch.device("cuda")
+    spec.check(ns, 7, device)
+    timing = spec.time(ns, 7, device, 5.0)
+    print({k: v for k, v in timing.items() if k != "rows"})
+    print(f"{assignment}: smoke passed")
+
+
+def run_board(assignment: str, out: Path, students: list[str]) -> int:
+    submitted = write_submitted(out / "submitted", assignment, students)
     return subprocess.call([sys.executable, "-m", "labkit", "board", assignment, "--submitted", str(submitted),
                             "--out", str(out), "--seed", "7"], cwd=ROOT)
 
@@ -72,4 +93,8 @@ def compare(assignment: str, out: Path) -> None:
 
 if __name__ == "__main__":
     assignment, out, step = sys.argv[1], Path(sys.argv[2]) / sys.argv[1], sys.argv[3]
-    sys.exit(run_board(assignment, out) if step == "board" else compare(assignment, out))
+    students = sys.argv[4].split(",") if len(sys.argv) > 4 else GPU_STUDENTS[assignment]   # e.g. ok,noskip
+    if step == "smoke":
+        smoke(assignment)
+    sys.exit(run_board(assignment, out, students) if step == "board" else compare(assignment, out) if step == "compare"
+             else 0)
