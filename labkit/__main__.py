@@ -1,4 +1,4 @@
-"""Command line: ``python -m labkit doctor | bench | execute | reference | bundle | longctx | cp-train``.
+"""Command line: ``python -m labkit doctor | bench | execute | reference | bundle | longctx | cp-train | board``.
 
 - doctor: device, dtypes, which attention backends run here, and what ``auto`` picks and why;
 - bench: the attention sweep to CSV and PNG (``--vs-direct``: labkit against the kernels called directly);

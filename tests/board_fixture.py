@@ -4,7 +4,8 @@ nbgrader's layout, ``ROOT/<student>/<assignment>/<assignment>.ipynb``. Each vari
 (old, new) replacements in the solution's code cells; each ``old`` must occur exactly once.
 
 - ``ok``: the solution; ``wrong``: o divided by l + 1 (a wrong result at every shape); ``flagged``: the wrapper
-  calls ``F.scaled_dot_product_attention``; ``error``: an answer cell raises (NameError); ``timeout``: an answer
+  calls ``F.scaled_dot_product_attention``; ``pytorch``: the forward in plain PyTorch (no Triton kernel launched);
+  ``error``: an answer cell raises (NameError); ``timeout``: an answer
   cell sleeps past any limit.
 - Weaker, still right, for the GPU ranking: 08 ``nosplit`` (decode_split and paged_decode launch one split),
   06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them).
@@ -44,6 +45,10 @@ VARIANTS = {
         "flagged": [("        o, lse = flash_attention_forward(q, k, v, is_causal=is_causal)\n",
                      "        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)\n"
                      "        lse = torch.zeros(q.shape[:-1], device=q.device)\n")],
+        "pytorch": [("        o, lse = flash_attention_forward(q, k, v, is_causal=is_causal)\n",
+                     "        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5\n"
+                     "        p = (s - s.amax(-1, keepdim=True)).exp()\n"
+                     "        o, lse = (p / p.sum(-1, keepdim=True)) @ v, p.sum(-1).log()\n")],
         "noskip": [("        hi = tl.minimum(N_K, start_m + BLOCK_M + shift)"
                     "                    # keys any row here sees\n",
                     "        hi = N_K                                                           # no tile skipped\n")],

@@ -18,7 +18,7 @@ from labkit import board, boardreport, boardshapes
 
 LIMIT = 45   # seconds per student: the sleeper's cost; a CPU student takes ~10 s beside 7 others on 2 cores
 STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "timeout", "tamper"],
-            "06_triton_flashattention": ["ok", "wrong", "flagged"]}
+            "06_triton_flashattention": ["ok", "wrong", "flagged", "pytorch"]}
 TAMPER = ("class PageAllocator:\n", "import labkit.measure\n\nlabkit.measure.time_interleaved = "
                                     "lambda fns, **kwargs: ({}, {})\n\n\nclass PageAllocator:\n")
 
@@ -44,7 +44,7 @@ def boards(tmp_path_factory):
 @pytest.mark.parametrize("assignment", list(STUDENTS))
 def test_each_submission_gets_its_status(boards, assignment):
     table, out = boards[assignment]
-    expected = {s: ("flagged" if s == "tamper" else s) for s in STUDENTS[assignment]}
+    expected = {s: ("flagged" if s in ("tamper", "pytorch") else s) for s in STUDENTS[assignment]}
     assert table["status"].to_dict() == expected, table[["status", "detail"]].to_string()
     assert table.loc["ok", "detail"] == ""
     assert "scaled_dot_product_attention" in table.loc["flagged", "detail"]
@@ -55,6 +55,11 @@ def test_each_submission_gets_its_status(boards, assignment):
     page = (out / "board.html").read_text(encoding="utf-8")
     assert all(s in page for s in expected) and "correctness only" in page
     assert (out / "logs" / "ok.log").exists()
+
+
+def test_06_a_forward_without_triton_is_flagged(boards):
+    table, _ = boards["06_triton_flashattention"]
+    assert "launched none of the notebook's own Triton kernels" in table.loc["pytorch", "detail"]
 
 
 def test_08_statuses_name_their_cause(boards):
