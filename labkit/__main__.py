@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     board.add_argument("assignment", choices=["06_triton_flashattention", "08_decode_attention"],
                        help="the assignment whose kernels are ranked")
     board.add_argument("--submitted", required=True, type=ca.folder(None, "nbgrader's submitted/ folder", "submitted"),
-                       help="folder of <student>/<assignment>/<assignment>.ipynb (nbgrader's submitted/ or autograded/)")
+                       help="folder of <student>/<assignment>/<assignment>.ipynb (submitted/ or autograded/)")
     board.add_argument("--out", type=ca.out_folder("build/board"), default="build/board", help="output folder")
     board.add_argument("--cpu", action="store_true", help="correctness only, through Triton's interpreter")
     board.add_argument("--timeout", type=ca.integer(1, 900), default=900, help="seconds per student")
@@ -221,7 +221,8 @@ def _board(args) -> int:
     seed = secrets.randbelow(2**31) if args.seed is None else args.seed
     table = board.board(args.assignment, args.submitted, args.out, seed=seed, timeout=args.timeout, gpu=gpu,
                         anonymize=args.anonymize, jobs=args.jobs, memory_gb=args.memory_gb)
-    shown = [c for c in ("rank", "student", "status", "score", "best_library", "vs_best_library", "detail") if c in table]
+    shown = [c for c in ("rank", "student", "status", "score", "best_library", "vs_best_library", "detail")
+             if c in table]
     print(table[shown].to_string(index=False, max_colwidth=70, float_format=lambda x: f"{x:.3f}"))
     print(f"wrote {args.out / 'board.csv'} and {args.out / 'board.html'}"
           + ("" if gpu else " (correctness only: no GPU or --cpu)"))
