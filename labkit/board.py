@@ -107,14 +107,17 @@ def cells_to_run(notebook: dict, graded: tuple[str, ...]) -> list[dict]:
 
 
 def _env(tmp: Path, gpu: bool) -> dict[str, str]:
-    """The worker's environment: only what it needs, HOME and caches in its own folder."""
-    keep = ("PATH", "LANG", "LC_ALL", "CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "CUDA_HOME", "OMP_NUM_THREADS")
-    env = {k: os.environ[k] for k in keep if k in os.environ}
+    """The worker's environment: only what it needs (the compilers' and CUDA's variables, no tokens or keys of
+    yours), HOME and caches in its own folder."""
+    keep = ("PATH", "LANG", "LC_ALL", "OMP_NUM_THREADS", "LIBRARY_PATH", "CC", "CXX")
+    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(("CUDA_", "NVIDIA_", "TRITON_", "LD_"))}
     env.update(HOME=str(tmp), TMPDIR=str(tmp), XDG_CACHE_HOME=str(tmp / ".cache"), MPLBACKEND="Agg",
                TRITON_CACHE_DIR=str(tmp / ".triton"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT),
                PYTHONDONTWRITEBYTECODE="1")
     if not gpu:
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LABKIT_PROFILE="cpu")
+    else:
+        env.pop("TRITON_INTERPRET", None)                                 # compiled kernels: they are timed
     return env
 
 

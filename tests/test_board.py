@@ -135,3 +135,11 @@ def test_geomean_and_exact_references():
                                            .expand(2, -1, -1, -1), 4, torch.Generator().manual_seed(0))
     assert kp.shape == (6, 4, 2, 8) and sorted(table.flatten().tolist()) == list(range(6))
     assert torch.equal(kp[table[1, 2]][0], k[0, :, 8])                              # token 8: page 2, slot 0
+
+
+def test_a_worker_sees_no_secrets_and_its_own_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("GITHUB_TOKEN", "secret")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu, gpu = board._env(tmp_path, gpu=False), board._env(tmp_path, gpu=True)
+    assert "GITHUB_TOKEN" not in cpu and cpu["HOME"] == str(tmp_path) and cpu["TRITON_INTERPRET"] == "1"
+    assert "TRITON_INTERPRET" not in gpu and gpu["TRITON_CACHE_DIR"].startswith(str(tmp_path))
