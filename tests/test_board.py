@@ -16,7 +16,7 @@ import pytest
 from board_fixture import ROOT, variant, write_submitted
 from labkit import board, boardreport, boardshapes
 
-LIMIT = 45   # seconds per student: the sleeper's cost; a CPU student takes ~10 s beside 7 others on 2 cores
+LIMIT = 60   # s per student, the sleeper's cost: an ok worker took 18 s beside 8 others on 2 cores with 2 more busy
 STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "timeout", "tamper"],
             "06_triton_flashattention": ["ok", "wrong", "flagged", "pytorch"]}
 TAMPER = ("class PageAllocator:\n", "import labkit.measure\n\nlabkit.measure.time_interleaved = "
