@@ -290,7 +290,7 @@ def check_fp32_statistics(run: Callable[[], object], *, name: str, rule: str, hi
         low = "、".join(sorted({POINTER_TYPES[v.dtype] for v in launch.args.values()
                                 if isinstance(v, torch.Tensor) and v.dtype in (torch.bfloat16, torch.float16)}))
         places = "\n".join(f"  {fn}：`{stmt}`：{_low_precision_words(*rest)}" for fn, stmt, *rest in r.low_precision[:4])
-        grading.check_true(not r.low_precision, name=f"{name}：{r.kernel}（{low} 輸入）的統計量以 fp32 計算",
+        grading.check_true(not r.low_precision, name=f"{name}：{r.kernel}（{low} 輸入）以 fp32 計算",
                            detail=f"規則：{rule}。為 GPU 編譯出的 Triton IR 在這些地方用了低精度（這一關讀程式碼："
                                   f"CPU 上的直譯器不照 GPU 的方式計算 bf16，有些捨入在小例子上的誤差也小到數值測試看不出來）："
                                   f"\n{places}", hint=hint)
