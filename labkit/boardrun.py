@@ -17,7 +17,8 @@ here), the secret seed, whether to time, and where to write the result, a JSON o
    file name kept in ``linecache``, as IPython does, so ``inspect`` and ``@triton.jit`` read its source.
    A cell that raises -> ``error`` (its exception's last line).
 4. The snapshot again (-> ``flagged``); the graded names defined (-> ``error``); their code checked by
-   :func:`labkit.grading.check_own_code` (no labkit, SDPA or softmax: -> ``flagged``); a tiny call of each
+   :func:`labkit.grading.check_own_code` (no labkit, SDPA or softmax) and :func:`library_reached` (no flash-attn,
+   FlashInfer, xFormers, flex attention or SDPA's kernel ops) (-> ``flagged``); a tiny call of each
    must launch a Triton kernel defined in the notebook (:func:`labkit.tritonmode.launches`, -> ``flagged``).
 5. The assignment's check on fresh inputs (:mod:`labkit.boardshapes`, AssertionError -> ``wrong``), then,
    on a GPU, its timing, which re-checks the timed calls' results (-> ``wrong``); the snapshot once more.
@@ -108,6 +109,28 @@ def _limit_memory(job: dict, device: torch.device) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (int((gb or 16) * 2**30), resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
+LIBRARY_MODULES = ("flash_attn", "flashinfer", "xformers", "torch.nn.attention", "labkit")
+LIBRARY_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+               "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flex_attention"}
+
+
+def library_reached(fn) -> str | None:
+    """How ``fn`` reaches a library attention beyond what ``check_own_code`` forbids: a function, class or module of
+    flash-attn, FlashInfer, xFormers or ``torch.nn.attention`` (flex attention), or an op of SDPA's kernels read by
+    name (``torch.ops.aten._scaled_dot_product_flash_attention``); None if it does not."""
+    import inspect
+
+    from .grading import _first_reached
+
+    def library(obj) -> bool:
+        module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None) \
+            if inspect.isroutine(obj) or inspect.isclass(obj) else None
+        return isinstance(module, str) and module.startswith(LIBRARY_MODULES)
+
+    return _first_reached(fn, library, attributes=LIBRARY_OPS)
+
+
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
     from . import grading, tritonmode
     from .boardshapes import forbidden
@@ -121,6 +144,8 @@ def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> di
         except AssertionError as err:
             raise Verdict("flagged", f"{label}: calls a library attention, softmax or labkit: "
                                      f"{str(err).splitlines()[0][:200]}") from None
+        if (reached := library_reached(fn)):
+            raise Verdict("flagged", f"{label}: calls a library attention ({reached})")
     for label, call in spec.calls(ns, device).items():
         with tritonmode.launches() as launched:
             call()

@@ -143,3 +143,17 @@ def test_a_worker_sees_no_secrets_and_its_own_home(tmp_path, monkeypatch):
     cpu, gpu = board._env(tmp_path, gpu=False), board._env(tmp_path, gpu=True)
     assert "GITHUB_TOKEN" not in cpu and cpu["HOME"] == str(tmp_path) and cpu["TRITON_INTERPRET"] == "1"
     assert "TRITON_INTERPRET" not in gpu and gpu["TRITON_CACHE_DIR"].startswith(str(tmp_path))
+
+
+@pytest.mark.parametrize("body, reached", [
+    ("return torch.ops.aten._scaled_dot_product_flash_attention(q, q, q)[0]", "._scaled_dot_product_flash_attention"),
+    ("return flex_attention(q, q, q)", "flex_attention"),
+    ("return q * 2", None)])
+def test_library_attention_beyond_sdpa_is_found(body, reached):
+    from labkit.boardrun import library_reached
+
+    ns = {"__name__": "__main__"}
+    exec("import torch\nfrom torch.nn.attention.flex_attention import flex_attention\n\n\n"  # noqa: S102
+         f"def helper(q):\n    {body}\n\n\ndef decode_split(q):\n    return helper(q)\n", ns)
+    found = library_reached(ns["decode_split"])
+    assert (found is None) if reached is None else (found and found.endswith(reached)), found
