@@ -1,7 +1,7 @@
 """Notebook 09 (09_flex_attention): rules its exercises state, wrong answers, answers fitted to visible cases."""
 
 ASSIGNMENT = "09_flex_attention"
-SETUP = ['MODE = lk.tritonmode.setup()', 'def causal(b, h, q_idx, kv_idx):']
+SETUP = ['MODE = lk.tritonmode.setup()', 'def causal(b, h, q_idx, kv_idx):', 'MASKS = {']
 
 # grade_id -> the rules its visible tests check
 RULES = {
@@ -35,6 +35,30 @@ RULES = {
         "for causal N = 64 and N = 72, a window, a packed document mask with N = 100, causal N_q = 40 != N_k = 72",
         "padding past N is masked: a tail block is never full",
         "partial and full blocks disjoint; the q_* lists are the table transposed",
+    ],
+    "ex5_sparse_kernel": [
+        "own code: no flex_attention / SDPA; launches _sparse_fwd_kernel",
+        "fp32 vs a float64 dense reference (block 16, create_block_mask's lists): causal N = 64, a tail block "
+        "(N = 72), window w = 20, a packed document mask (N = 100, ids loaded per block), causal N_q = 40 != N_k = 72",
+        "full blocks skip the mask, partial blocks apply it (lists forged: every block full / every block partial)",
+        "only the listed blocks read: interpreter's loaded elements between the K/V of the listed blocks and that "
+        "plus q, ids and list entries (window 16, N = 128)",
+        "the sink: vs the reference with one more column (value 0); the identity o_sink = o * sigmoid(lse - sink); "
+        "rows that see no key: o = 0 and lse = sink (with) or -inf (without), no NaN",
+        "bf16 and fp16 in -> o in that dtype, lse fp32; o by the 2x rule at N = 256 (16 key blocks)",
+        "fp32 statistics in the Triton IR of a bf16 launch",
+        "_sparse_fwd_kernel compiles for sm80 and sm90 (128 x 128 tiles, d = 64, bf16)",
+    ],
+    "ex6_sink_grad": [
+        "dsink vs float64 autograd through dense attention with the sink as an extra column (B = 2, H = 3, N = 40): "
+        "sign, exp(sink - lse), summed over batch and rows, [H] fp32",
+        "bf16 o and dO (d = 64): within 1e-4 (relative) of the formula in float64 on the same bf16 values: D in fp32",
+    ],
+    "ex7_packing": [
+        "tokens, cu_seqlens (leading 0), position_ids (restart per document), document_ids (from 0) for lengths 3, 1, 4",
+        "dtypes: cu_seqlens int32, the rest int64",
+        "no cross-document contamination: the last document's loss has zero gradient on the earlier documents' "
+        "inputs through attention masked by document_ids",
     ],
 }
 
@@ -92,6 +116,51 @@ MISTAKES = {
         ("indices in descending order", "torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)",
          "torch.flip(torch.argsort((~chosen).to(torch.int8), dim=1, stable=True), dims=(1,))"),
     ],
+    "ex5_sparse_kernel": [
+        ("every key block read (listed or not), masked",
+         "    for j in range(0, tl.load(kv_num_ptr + qb)):               # partial blocks: bounds and the rule\n"
+         "        start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n",
+         "    for j in range(0, tl.cdiv(N_K, BLOCK_N)):\n        start_n = j * BLOCK_N\n"),
+        ("partial blocks treated as full (no mask)",
+         "acc, m_i, l_i = _online_tile(acc, m_i, l_i, q, kt, v, keep, qk_scale, True, PREC)",
+         "acc, m_i, l_i = _online_tile(acc, m_i, l_i, q, kt, v, keep, qk_scale, False, PREC)"),
+        ("full blocks masked too (rule applied to full blocks)",
+         "acc, m_i, l_i = _online_tile(acc, m_i, l_i, q, kt, v, 0, qk_scale, False, PREC)",
+         "acc, m_i, l_i = _online_tile(acc, m_i, l_i, q, kt, v, offs_m[:, None] >= offs_n[None, :], qk_scale, True, PREC)"),
+        ("sink dropped", "HAS_SINK=sink is not None", "HAS_SINK=False"),
+        ("sink added with l = 0 (max only)", "        l_i = tl.full([BLOCK_M], 1.0, tl.float32)\n",
+         "        l_i = tl.zeros([BLOCK_M], tl.float32)\n"),
+        ("sink of head 0 for every head", "tl.load(sink_ptr + bh % H)", "tl.load(sink_ptr)"),
+        ("sink in natural-log units (no log2(e))", "(tl.load(sink_ptr + bh % H) * 1.4426950408889634)",
+         "tl.load(sink_ptr + bh % H)"),
+        ("window off by one", "(offs_m[:, None] - offs_n[None, :] <= WINDOW)", "(offs_m[:, None] - offs_n[None, :] < WINDOW)"),
+        ("document rule not causal", "keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (doc_q[:, None] == doc_k[None, :])",
+         "keep = keep & (doc_q[:, None] == doc_k[None, :])"),
+        ("partial blocks without bounds", "keep = inside[None, :] & (offs_m[:, None] >= 0)", "keep = offs_m[:, None] >= 0"),
+        ("empty rows divided by l = 0", "l_safe = tl.where(l_i == 0.0, 1.0, l_i)", "l_safe = l_i"),
+        ("accumulator in the input dtype", "acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)",
+         "acc = tl.zeros([BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty)"),
+        ("key offsets from the query block's row count", "kv_idx.shape[-1],", "triton.cdiv(Nq, block),"),
+    ],
+    "ex6_sink_grad": [
+        ("sign flipped", "return -(p_sink * D).sum(dim=(0, 2))", "return (p_sink * D).sum(dim=(0, 2))"),
+        ("exp(lse - sink)", "torch.exp(sink.float().view(1, -1, 1) - lse.float())", "torch.exp(lse.float() - sink.float().view(1, -1, 1))"),
+        ("not summed over the batch", "(p_sink * D).sum(dim=(0, 2))", "(p_sink * D).sum(dim=2)[0]"),
+        ("D in bf16", "D = (do.float() * o.float()).sum(dim=-1)", "D = (do * o).sum(dim=-1).float()"),
+        ("sigmoid instead of exp", "torch.exp(sink.float().view(1, -1, 1) - lse.float())",
+         "torch.sigmoid(sink.float().view(1, -1, 1) - lse.float())"),
+    ],
+    "ex7_packing": [
+        ("cu_seqlens without the leading 0", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[1:],'),
+        ("positions not restarted", "position_ids = torch.arange(int(lengths.sum())) - cu_seqlens[:-1].long()[document_ids]",
+         "position_ids = torch.arange(int(lengths.sum()))"),
+        ("document ids from 1", "document_ids = torch.repeat_interleave(torch.arange(len(docs)), lengths)",
+         "document_ids = torch.repeat_interleave(torch.arange(1, len(docs) + 1), lengths)"),
+        ("cu_seqlens int64", "cu_seqlens = torch.zeros(len(docs) + 1, dtype=torch.int32)",
+         "cu_seqlens = torch.zeros(len(docs) + 1, dtype=torch.int64)"),
+        ("one document id for all (contaminated)", "document_ids = torch.repeat_interleave(torch.arange(len(docs)), lengths)",
+         "document_ids = torch.zeros(int(lengths.sum()), dtype=torch.int64)"),
+    ],
 }
 
 # {(grade_id, mistake): why no visible check can catch it}: at most one per notebook
@@ -112,5 +181,15 @@ FITTED = {
     "ex4_block_lists": [
         ("block fixed at 16", "    n_q, n_k = -(-Nq // block), -(-Nk // block)",
          "    block = 16\n    n_q, n_k = -(-Nq // block), -(-Nk // block)"),
+    ],
+    "ex5_sparse_kernel": [
+        ("window rule written for w >= 4", "(offs_m[:, None] - offs_n[None, :] <= WINDOW)",
+         "(offs_m[:, None] - offs_n[None, :] <= tl.maximum(WINDOW, 4))"),
+    ],
+    "ex6_sink_grad": [
+        ("batch of two summed by hand", "(p_sink * D).sum(dim=(0, 2))", "(p_sink[:2] * D[:2]).sum(dim=(0, 2))"),
+    ],
+    "ex7_packing": [
+        ("cu_seqlens for three documents", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[:4],'),
     ],
 }
