@@ -157,3 +157,17 @@ def test_library_attention_beyond_sdpa_is_found(body, reached):
          f"def helper(q):\n    {body}\n\n\ndef decode_split(q):\n    return helper(q)\n", ns)
     found = library_reached(ns["decode_split"])
     assert (found is None) if reached is None else (found and found.endswith(reached)), found
+
+
+def test_command_line_anonymizes_and_writes_the_board(tmp_path, capsys):
+    from labkit.__main__ import main
+
+    write_submitted(tmp_path / "submitted", "06_triton_flashattention", ["flagged"])
+    argv = ["board", "06_triton_flashattention", "--submitted", str(tmp_path / "submitted"), "--out",
+            str(tmp_path / "out"), "--cpu", "--seed", "1", "--anonymize", "--timeout", str(LIMIT)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    alias = board.anonymous("flagged", 1)
+    assert alias in printed and "flagged" in printed and "correctness only" in printed
+    csv = pd.read_csv(tmp_path / "out" / "board.csv")
+    assert list(csv["student"]) == [alias] and (tmp_path / "out" / "logs" / f"{alias}.log").exists()
