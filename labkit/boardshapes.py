@@ -9,19 +9,16 @@ in the student's own process (:mod:`labkit.boardrun`) on the namespace the noteb
   shapes the visible tests never use (uneven lengths, N not a multiple of the block, N != Nk, GQA with a
   group of 3); raises AssertionError (-> ``wrong``). fp32 inputs: an absolute tolerance against float64;
   bf16 (GPU): the course's 2x rule (:func:`labkit.grading.check_within_2x`);
-- ``time(ns, seed, device, target_ms)``: GPU only. The student's calls beside the library kernels in one
-  run with the notebook's own timers, then the same input tensors rewritten in place with new values and
-  called once more: an answer that caches its output (keyed on the tensors) or skips work fails the check.
+- ``time(ns, seed, device, target_ms)``: GPU only. The student's calls beside the library kernels, the notebook's
+  timers; then the timed tensors rewritten in place and the calls checked again (a cached output fails).
 
 06_triton_flashattention: ``TritonFlashAttention.apply(q, k, v, causal)``, q [B, H, N, D], k, v [B, H, Nk, D];
-timed by :func:`labkit.bench.attention_sweep` (the notebook's sweep: turns, L2 flushed, bf16) beside sdpa_flash,
-sdpa_cudnn and fa4; score: TFLOP/s over the measured matmul peak, geometric mean over the shapes, for the
-forward and for forward+backward; ``score`` is the geometric mean of the two.
+timed by :func:`labkit.bench.attention_sweep` (the notebook's sweep) beside sdpa_flash, sdpa_cudnn and fa4; score:
+TFLOP/s over the matmul peak, geometric mean over the shapes, forward and forward+backward, and of the two.
 08_decode_attention: ``decode_split(q, k, v, seqlens)`` and ``paged_decode(q, k_pages, v_pages, table, seqlens)``,
 q [B, H_q, d], k, v [B, N, H_kv, d], pages [num_pages, page, H_kv, d]; timed as the notebook does
-(:func:`labkit.graphtime.time_per_call`: CUDA graphs of 8 calls over distinct caches, L2 flushed by a read)
-beside SDPA's kernels and FA4; score: GB/s over the measured read ceiling
-(:func:`labkit.readbw.read_bandwidth`), geometric mean over the shapes and both functions.
+(:func:`labkit.graphtime.time_per_call`: CUDA graphs of 8 calls over distinct caches, L2 flushed by a read) beside
+SDPA's kernels and FA4; score: GB/s over the read ceiling, geometric mean over the shapes and both functions.
 
 Used by: :mod:`labkit.boardrun`.
 """
@@ -70,8 +67,7 @@ def _compare(name: str, actual: torch.Tensor, exact: torch.Tensor, plain: torch.
     if dtype == torch.float32 or plain is None:
         grading.check_tensor(actual, exact, name=name, atol=atol)
     else:
-        floor = 1e-2 * float(exact.detach().abs().max())   # lenient: the board catches wrong kernels, the tests
-        # grade precision
+        floor = 1e-2 * float(exact.detach().abs().max())   # lenient: the tests grade precision, not the board
         grading.check_within_2x(actual, exact, plain, name=name, rule="statistics and accumulators in fp32",
                                 floor=floor)
 
@@ -210,10 +206,6 @@ DECODE_SHAPES = {"cpu": [(3, 6, 2, 70, 16, [70, 1, 33]), (2, 4, 4, 45, 32, [45, 
                  "cuda": [(4, 32, 8, 5000, 128, [5000, 1, 3333, 4097]), (3, 12, 4, 2100, 64, [2100, 999, 64])]}
 
 
-def _page_size(ns: dict) -> int:
-    return getattr(ns.get("P"), "page_size", 16)
-
-
 def _decode_check(ns: dict, seed: int, device: torch.device) -> None:
     split, paged = ns["decode_split"], ns["paged_decode"]
     dtypes = CHECK_DTYPES[device.type]
@@ -224,7 +216,7 @@ def _decode_check(ns: dict, seed: int, device: torch.device) -> None:
         lens = torch.tensor(lens, dtype=torch.int32, device=device)
         o64, lse64 = decode_exact(q, k, v, lens)
         plain = None if dtype == torch.float32 else decode_exact(q, k, v, lens, dtype)[0]
-        kp, vp, table = paged_copy(k, v, _page_size(ns), gen)
+        kp, vp, table = paged_copy(k, v, getattr(ns.get("P"), "page_size", 16), gen)
         runs = {f"decode_split S={s}": (lambda s=s: split(q, k, v, lens, s)) for s in (None, 3)}
         runs.update({f"paged_decode S={s}": (lambda s=s: paged(q, kp, vp, table, lens, s)) for s in (None, 2)})
         for label, run in runs.items():
@@ -237,7 +229,7 @@ def _decode_check(ns: dict, seed: int, device: torch.device) -> None:
 def _decode_calls(ns: dict, device: torch.device) -> dict:
     q, kv = torch.randn(1, 2, 16, device=device), torch.randn(1, 40, 1, 16, device=device)
     lens = torch.tensor([40], dtype=torch.int32, device=device)
-    kp, vp, table = paged_copy(kv, kv, _page_size(ns), torch.Generator().manual_seed(0))
+    kp, vp, table = paged_copy(kv, kv, getattr(ns.get("P"), "page_size", 16), torch.Generator().manual_seed(0))
     return {"decode_split": lambda: ns["decode_split"](q, kv, kv, lens),
             "paged_decode": lambda: ns["paged_decode"](q, kp, vp, table, lens)}
 
@@ -245,6 +237,34 @@ def _decode_calls(ns: dict, device: torch.device) -> dict:
 DECODE_TIMED = [(1, 4096), (1, 16384), (1, 65536), (8, 8192)]   # (B, N), bf16
 DECODE_HEADS = (32, 8, 128, 64)   # H_q, H_kv, d, page size: notebook 08's GPU shapes
 MINE = ("student contiguous", "student paged")
+
+
+def _decode_recheck(calls: dict[str, Callable[[], torch.Tensor]], tensors: tuple, gen: torch.Generator,
+                    where: str) -> None:
+    """The timed calls after ``tensors`` (q, k, v, k_pages, v_pages, table, lens) got new values in place: called, and
+    on a GPU replayed from a graph captured before: a cache keyed on the tensors or an empty capture fails."""
+    from . import graphtime
+
+    q, k, v, kp, vp, table, lens = tensors
+    page, g = kp.shape[1], q.shape[1] // k.shape[2]
+    with torch.no_grad():
+        graphs = {name: (graphtime.warm_up(call), graphtime.capture(call))[1] for name, call in calls.items()
+                  if q.is_cuda}
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        kp.copy_(to_pages(k, table, page))
+        vp.copy_(to_pages(v, table, page))
+        o64 = decode_exact(q[:1, :g], k[:1, :, :1], v[:1, :, :1], lens[:1])[0]           # batch 0, KV head 0
+        plain = decode_exact(q[:1, :g], k[:1, :, :1], v[:1, :, :1], lens[:1], torch.bfloat16)[0]
+        for name, call in calls.items():
+            outs = {"called": call()}
+            if name in graphs:
+                graph, out = graphs[name]
+                graph.replay()
+                outs["replayed from its CUDA graph"] = out
+            for how, o in outs.items():
+                _compare(f"{name} after the timing, inputs rewritten in place, {how} ({where})", o[:1, :g], o64,
+                         plain, q.dtype, 0.0)
 
 
 def _decode_time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
@@ -273,18 +293,9 @@ def _decode_time(ns: dict, seed: int, device: torch.device, target_ms: float) ->
             raise RuntimeError(f"{failed[0]} could not be timed (B={b}, N={n}): {why}")
         moved = decode.tensor_bytes(q, k, v, q)
         rows += [dict(B=b, N=n, kernel=name, gb_per_s=moved / (ms * 1e-3) / 1e9) for name, ms in per_call.items()]
-        with torch.no_grad():                                              # new values, the same tensors
-            for t in (q, k, v):
-                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-            kp.copy_(to_pages(k, table, page))
-            vp.copy_(to_pages(v, table, page))
-            g = hq // hkv                                                  # batch 0, KV head 0: its g query heads
-            o64 = decode_exact(q[:1, :g], k[:1, :, :1], v[:1, :, :1], lens[:1])[0]
-            plain = decode_exact(q[:1, :g], k[:1, :, :1], v[:1, :, :1], lens[:1], torch.bfloat16)[0]
-            for name, o in ((MINE[0], split(q, k, v, lens, max_len=n)[0]),
-                            (MINE[1], paged(q, kp, vp, table, lens, max_len=n)[0])):
-                _compare(f"{name} after the timing, inputs rewritten in place (B={b}, N={n})", o[:1, :g], o64,
-                         plain, torch.bfloat16, 0.0)
+        _decode_recheck({MINE[0]: lambda: split(q, k, v, lens, max_len=n)[0],
+                         MINE[1]: lambda: paged(q, kp, vp, table, lens, max_len=n)[0]},
+                        (q, k, v, kp, vp, table, lens), gen, f"B={b}, N={n}")
         del per_cache
         decode.release(device)
     names = sorted({r["kernel"] for r in rows})
