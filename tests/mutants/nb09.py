@@ -47,6 +47,7 @@ RULES = {
         "rows that see no key: o = 0 and lse = sink (with) or -inf (without), no NaN",
         "bf16 and fp16 in -> o in that dtype, lse fp32; o by the 2x rule at N = 256 (16 key blocks)",
         "fp32 statistics in the Triton IR of a bf16 launch",
+        "64-bit head offsets: the kernel launched by hand with the head's program id past 2^23 (no int32 overflow)",
         "_sparse_fwd_kernel compiles for sm80 and sm90 (128 x 128 tiles, d = 64, bf16)",
     ],
     "ex6_sink_grad": [
@@ -140,6 +141,7 @@ MISTAKES = {
         ("empty rows divided by l = 0", "l_safe = tl.where(l_i == 0.0, 1.0, l_i)", "l_safe = l_i"),
         ("accumulator in the input dtype", "acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)",
          "acc = tl.zeros([BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty)"),
+        ("32-bit head offsets", "bh = tl.program_id(1).to(tl.int64)", "bh = tl.program_id(1)"),
         ("key offsets from the query block's row count", "kv_idx.shape[-1],", "triton.cdiv(Nq, block),"),
     ],
     "ex6_sink_grad": [
