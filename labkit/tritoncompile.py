@@ -265,7 +265,7 @@ def _low_precision_words(kind: str, op: str, dtype: str) -> str:
         word = {"addf": "加法或 tl.sum 的加總", "subf": "減法", "mulf": "乘法", "divf": "除法"}.get(short, f"{short} ")
         return f"{word}以 {dtype} 計算"
     use = {"arith.extf": "又轉回 fp32（拿去計算或存進 fp32 的輸出）", "tt.reduce": "拿去歸約（tl.max／tl.sum）",
-           "scf.yield": "帶進下一輪迴圈"}.get(op, f"拿去計算（{op}）")
+           "scf.yield": "帶出迴圈或分支（留在低精度）"}.get(op, f"拿去計算（{op}）")
     return f"轉成 {dtype}（捨入）之後{use}，不是只給 tl.dot 當運算元或給 tl.store 存回"
 
 

@@ -110,7 +110,7 @@ def _ops(ttir: str) -> list:
 def low_precision(ttir: str, path: str, source: str) -> list:
     """Where a kernel computes in bf16/fp16: ``[function, statement, kind, op, type]`` per statement of ``source``.
 
-    Two findings, both read from the Triton IR (what the GPU runs; the interpreter widens bf16 itself):
+    Two findings, both read from the Triton IR (what the GPU runs; the interpreter computes bf16 its own way):
     arithmetic, exp/log or a reduction (tl.max, tl.sum) on bf16/fp16 values; and a value rounded to
     bf16/fp16 (``.to(...)``) that goes anywhere but a ``tl.dot`` operand or a ``tl.store``. ``kind`` is
     "computed" (``op`` ran on ``type``) or "rounded" (the statement rounds to ``type``, then ``op`` uses it).
