@@ -191,7 +191,7 @@ def compile_launches(launches: list[Launch], archs=(80, 90), config: dict | None
         config: overrides of the launches' constexprs and options, e.g. ``{"BLOCK_M": 128,
             "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}``: the tiles a GPU would use, where the
             recorded launch had the interpreter's small ones. Keys a kernel lacks are ignored.
-        ttir_only: run the frontend only (Triton IR: no PTX, a fraction of a second per kernel), once per
+        ttir_only: run the frontend only (Triton IR: no PTX, much faster than a compile), once per
             kernel and distinct argument types (a bf16 and an fp16 launch both), and fill ``low_precision``.
 
     Returns:
@@ -275,7 +275,7 @@ def check_fp32_statistics(run: Callable[[], object], *, name: str, rule: str, hi
 
     The interpreter does not compute bf16 as the GPU does, and a statistic rounded to bf16 (a row max, a score)
     often costs too little on small inputs for a numeric test to see. So read the Triton IR the compiler's
-    front end builds for the same launch (no GPU, well under a second): no arithmetic, exp, log or reduction
+    front end builds for the same launch (no GPU, no PTX): no arithmetic, exp, log or reduction
     on bf16/fp16 values, and a value rounded to bf16/fp16 only as a ``tl.dot`` operand or for a ``tl.store``.
     Fails naming the helper, the statement and the rule.
     """

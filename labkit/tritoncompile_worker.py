@@ -3,7 +3,7 @@
 Reads a JSON job on stdin: ``{"source": module text, "kernels": [{"name", "signature", "constexprs",
 "num_warps", "num_stages"}], "archs": [80, 90]}``. Writes one JSON list on stdout: per kernel and
 arch ``{"kernel", "arch", "ok", "error", "registers", "spills", "shared_bytes", "mma", "tf32"}``.
-With ``"ttir_only": true`` only the frontend runs (Triton IR, a fraction of a second, no PTX) and each row
+With ``"ttir_only": true`` only the frontend runs (Triton IR, no PTX: much faster) and each row
 has ``"low_precision"``: what the kernel computes in bf16/fp16 (:func:`low_precision`).
 
 A script, not a labkit import: it must start with ``TRITON_INTERPRET`` off (``import labkit`` turns
