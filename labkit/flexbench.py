@@ -99,7 +99,8 @@ def _first_call(fn: Callable) -> tuple[str, float]:
 
 
 def sweep(cases: list[dict], seq_lens: list[int], *, mine: Callable, H: int = 16, d: int = 128,
-          dtype=torch.bfloat16, target_ms: float = 30.0, dense_limit: int = 16384) -> pd.DataFrame:
+          dtype=torch.bfloat16, target_ms: float = 30.0, dense_limit: int = 16384,
+          also: dict[str, Callable] | None = None) -> pd.DataFrame:
     """One forward per backend, mask and N: a tidy DataFrame (N, mask, density, backend, ms, first_call_s, status).
 
     Args:
@@ -108,6 +109,7 @@ def sweep(cases: list[dict], seq_lens: list[int], *, mine: Callable, H: int = 16
         mine: ``mine(q, k, v, lists, block, case, N)`` -> the notebook's forward; ``lists``: the block mask's
             four kv lists (kv_num_blocks, kv_indices and the full_ pair) for (batch 0, head 0), on the GPU.
         dense_limit: the longest N given to SDPA with a dense boolean mask (N x N bytes).
+        also: more of the notebook's variants, name -> a function called as ``mine`` is (e.g. with a sink).
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -123,6 +125,8 @@ def sweep(cases: list[dict], seq_lens: list[int], *, mine: Callable, H: int = 16
             n_blocks = bm.kv_indices.shape[-1]
             density = float((lists["kv_num_blocks"].sum() + lists["full_kv_num_blocks"].sum()) / n_blocks ** 2)
             calls = {"mine": lambda case=case, lists=lists: mine(q, k, v, lists, BLOCK, case, N), **_flex_calls(q, k, v, bm)}
+            for name, fn in (also or {}).items():
+                calls[name] = lambda fn=fn, case=case, lists=lists: fn(q, k, v, lists, BLOCK, case, N)
             if N <= dense_limit:
                 idx = torch.arange(N, device="cuda")
                 dense = rule(torch.tensor(0, device="cuda"), torch.tensor(0, device="cuda"), idx.view(N, 1), idx.view(1, N))

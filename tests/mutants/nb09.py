@@ -55,7 +55,16 @@ RULES = {
         "sign, exp(sink - lse), summed over batch and rows, [H] fp32",
         "bf16 o and dO (d = 64): within 1e-4 (relative) of the formula in float64 on the same bf16 values: D in fp32",
     ],
-    "ex7_packing": [
+    "ex7_sparse_backward": [
+        "own code: no autograd; launches _sparse_bwd_dkdv_kernel and _sparse_bwd_dq_kernel",
+        "dV, dK, dQ vs float64 autograd through dense attention with the same table (block 16, create_block_mask's "
+        "lists): causal N = 64, a tail block (N = 72), window 20, documents N = 100, causal N_q = 40 != N_k = 72, a sink",
+        "dK/dV read the transposed (q_*) lists, dQ the kv lists; partial blocks masked (P = 0), full blocks not",
+        "both kernels read only listed blocks (interpreter's loaded elements, window 16, N = 128)",
+        "fp32 accumulators and statistics in the Triton IR of a bf16 launch",
+        "both kernels compile for sm80 and sm90 (64 x 64 tiles, d = 64, bf16)",
+    ],
+    "ex8_packing": [
         "tokens, cu_seqlens (leading 0), position_ids (restart per document), document_ids (from 0) for lengths 3, 1, 4",
         "dtypes: cu_seqlens int32, the rest int64",
         "no cross-document contamination: the last document's loss has zero gradient on the earlier documents' "
@@ -152,7 +161,31 @@ MISTAKES = {
         ("sigmoid instead of exp", "torch.exp(sink.float().view(1, -1, 1) - lse.float())",
          "torch.sigmoid(sink.float().view(1, -1, 1) - lse.float())"),
     ],
-    "ex7_packing": [
+    "ex7_sparse_backward": [
+        ("dK/dV kernel given the forward's lists (not transposed)",
+         'dk, dv, doc, as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"),\n        as_i32("full_q_indices"),',
+         'dk, dv, doc, as_i32("kv_num_blocks"), as_i32("kv_indices"), as_i32("full_kv_num_blocks"),\n        as_i32("full_kv_indices"),'),
+        ("dQ kernel given the transposed lists",
+         'dq, doc, as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"),\n        as_i32("full_kv_indices"),',
+         'dq, doc, as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"),\n        as_i32("full_q_indices"),'),
+        ("partial blocks unmasked in dK/dV",
+         "                    keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (doc_q[:, None] == doc_k[None, :])\n"
+         "                p = tl.where(keep, p, 0.0)\n            dv = tl.dot(",
+         "                    keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (doc_q[:, None] == doc_k[None, :])\n"
+         "            dv = tl.dot("),
+        ("D left out (dS = P dP)", "            ds = p * (dp - delta[:, None])\n            dk = tl.dot(",
+         "            ds = p * dp\n            dk = tl.dot("),
+        ("dK not scaled", "(dk * sm_scale).to(dk_ptr.dtype.element_ty)", "dk.to(dk_ptr.dtype.element_ty)"),
+        ("lse in natural-log units", "lse2 = (lse.float() * LOG2E).reshape(B * H, Nq).contiguous()",
+         "lse2 = lse.float().reshape(B * H, Nq).contiguous()"),
+        ("dV accumulator in the input dtype", "    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)\n",
+         "    dv = tl.zeros([BLOCK_N, HEAD_DIM], v_ptr.dtype.element_ty)\n"),
+        ("dQ kernel reads every key block", "        for j in range(0, count):\n            if part == 0:\n"
+         "                start_n = tl.load(full_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n            else:\n"
+         "                start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n",
+         "        for j in range(0, tl.cdiv(N_K, BLOCK_N) * part):\n            start_n = j * BLOCK_N\n"),
+    ],
+    "ex8_packing": [
         ("cu_seqlens without the leading 0", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[1:],'),
         ("positions not restarted", "position_ids = torch.arange(int(lengths.sum())) - cu_seqlens[:-1].long()[document_ids]",
          "position_ids = torch.arange(int(lengths.sum()))"),
@@ -191,7 +224,11 @@ FITTED = {
     "ex6_sink_grad": [
         ("batch of two summed by hand", "(p_sink * D).sum(dim=(0, 2))", "(p_sink[:2] * D[:2]).sum(dim=(0, 2))"),
     ],
-    "ex7_packing": [
+    "ex7_sparse_backward": [
+        ("window rule written for w >= 4 (backward)", "if MASK == 2:\n                    keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (offs_m[:, None] - offs_n[None, :] <= WINDOW)\n                if MASK == 3:\n                    doc_q",
+         "if MASK == 2:\n                    keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (offs_m[:, None] - offs_n[None, :] <= tl.maximum(WINDOW, 16))\n                if MASK == 3:\n                    doc_q"),
+    ],
+    "ex8_packing": [
         ("cu_seqlens for three documents", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[:4],'),
     ],
 }
