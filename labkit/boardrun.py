@@ -102,7 +102,7 @@ def _limit_memory(job: dict, device: torch.device) -> None:
     gb = job.get("memory_gb")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 2**30 / total) if gb else 0.9, device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gb * 2**30 / total) if gb else 0.9, device.index or 0)
     else:
         import resource
 
