@@ -45,7 +45,7 @@ RULES = {
         "plus q, ids and list entries (window 16, N = 128)",
         "the sink: vs the reference with one more column (value 0); the identity o_sink = o * sigmoid(lse - sink); "
         "rows that see no key: o = 0 and lse = sink (with) or -inf (without), no NaN",
-        "bf16 and fp16 in -> o in that dtype, lse fp32; o by the 2x rule at N = 256 (16 key blocks)",
+        "bf16 and fp16 in -> o in that dtype, lse fp32; o by the 2x rule at N = 128 (8 key blocks)",
         "fp32 statistics in the Triton IR of a bf16 launch",
         "64-bit head offsets: the kernel launched by hand with the head's program id past 2^23 (no int32 overflow)",
         "_sparse_fwd_kernel compiles for sm80 and sm90 (128 x 128 tiles, d = 64, bf16)",
