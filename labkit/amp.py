@@ -13,6 +13,7 @@ Used in: 03_long_sequence_training, 05_precision_analysis.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -66,7 +67,8 @@ class NaNMonitor:
         unknown = [n for n in chosen if n not in names]
         if unknown:
             raise ValueError(f"unknown module names {unknown[:3]}; see [n for n, _ in model.named_modules()].")
-        self.modules = {n: names[n] for n in chosen}
+        # weak references: a monitor kept for its statistics does not keep the model (and its gradients) alive
+        self.modules = {n: weakref.ref(names[n]) for n in chosen}
         self.every, self.step, self._records, self._handles = every, 0, [], []
 
     def _hook(self, name: str):
@@ -82,7 +84,8 @@ class NaNMonitor:
         return hook
 
     def __enter__(self) -> "NaNMonitor":
-        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.modules.items()]
+        modules = {n: ref() for n, ref in self.modules.items()}
+        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items() if m is not None]
         return self
 
     def __exit__(self, *exc) -> None:

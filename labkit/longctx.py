@@ -26,6 +26,7 @@ from . import attention as attn
 from . import cliargs as ca
 from . import gpt2, levers, longmem, rope
 from .env import default_device
+from .longsummary import _stop_before, summary  # noqa: F401 - lk.longctx.summary
 from .measure import allocated_bytes, call_ms, free_memory, is_oom, peak_memory
 
 
@@ -113,14 +114,40 @@ def compare_attention(seq_lens: Iterable[int] = (32768, 65536, 131072), *,
     then ``rounds`` timed steps each, taking turns (the order rotates every round) so clock
     drift favours none; the first timed step of each also gives its peak memory.
 
+    An N that runs out of memory gives rows with status "oom" (NaN numbers); the longer N after it are
+    not tried ("skipped").
+
     Returns:
-        DataFrame: N, implementation, backend (for "labkit": "labkit:<what auto chose>"), loss, step_ms (median),
-        tokens_per_s, peak_gib (NaN on CPU), vs_sdpa (tokens/s over sdpa's at that N), device.
+        DataFrame: N, implementation, status ("ok", "oom", "skipped"), backend (for "labkit": "labkit:<what
+        auto chose>"), loss, step_ms (median), tokens_per_s, peak_gib (NaN on CPU), vs_sdpa (tokens/s over
+        sdpa's at that N), device.
     """
     device, impls, rows = torch.device(device or default_device()), list(implementations), []
     cfg, shape = CONFIGS[config], longmem.model_shape(gpt2.gpt2_config(size))
+    status = "ok"
     for n in seq_lens:
-        before = allocated_bytes(device)  # what the process holds already is not this model's
+        if status == "ok":
+            try:
+                rows += _compare_at(n, cfg, shape, impls, size, rounds, device, dtype, chunk_size, seed)
+                continue
+            except (RuntimeError, MemoryError) as err:
+                if not is_oom(err):
+                    raise
+                status = "oom"
+            free_memory()  # the failed step's tensors went with the exception
+        rows += [dict(N=n, implementation=impl, status=status, backend=impl, loss=math.nan, step_ms=math.nan,
+                      tokens_per_s=math.nan, peak_gib=math.nan, device=device.type) for impl in impls]
+        status = "skipped"
+    df = pd.DataFrame(rows)
+    sdpa = df[df.implementation == "sdpa"].set_index("N")["tokens_per_s"]
+    return df.assign(vs_sdpa=df.tokens_per_s / df.N.map(sdpa) if len(sdpa) else math.nan)
+
+
+def _compare_at(n, cfg, shape, impls, size, rounds, device, dtype, chunk_size, seed) -> list[dict]:
+    """:func:`compare_attention`'s rows at one N (one per implementation)."""
+    rows: list[dict] = []
+    before = allocated_bytes(device)  # what the process holds already is not this model's
+    try:
         step, model = train_step(cfg, size, n, device=device, dtype=dtype, chunk_size=chunk_size, seed=seed)
         losses = {}
         for impl in impls:  # every loss on the same initial weights
@@ -140,13 +167,13 @@ def compare_attention(seq_lens: Iterable[int] = (32768, 65536, 131072), *,
                     peaks[impl] = allocated_bytes(device) - before + timed
         for impl in impls:
             ms = sorted(times[impl])[len(times[impl]) // 2]
-            rows.append(dict(N=n, implementation=impl, backend=_named(impl, shape, n, device, dtype), loss=losses[impl],
-                             step_ms=ms, tokens_per_s=n / (ms / 1e3), peak_gib=peaks[impl] / 2**30, device=device.type))
-        del step, model
+            rows.append(dict(N=n, implementation=impl, status="ok", backend=_named(impl, shape, n, device, dtype),
+                             loss=losses[impl], step_ms=ms, tokens_per_s=n / (ms / 1e3), peak_gib=peaks[impl] / 2**30,
+                             device=device.type))
+    finally:
+        step = model = None  # noqa: F841 - free the model and its optimizer, also after an error
         free_memory()
-    df = pd.DataFrame(rows)
-    sdpa = df[df.implementation == "sdpa"].set_index("N")["tokens_per_s"]
-    return df.assign(vs_sdpa=df.tokens_per_s / df.N.map(sdpa) if len(sdpa) else math.nan)
+    return rows
 
 
 def longest_sequence(configs: Iterable[str] = tuple(CONFIGS), *, size: str = "small", start: int = 2048,
@@ -218,19 +245,6 @@ def _named(impl: str, shape, n: int, device: torch.device, dtype: torch.dtype) -
         return f"{impl}:{attn.auto_choice(probe, probe, probe, causal=True)}"
 
 
-def _stop_before(done: list[dict], n: int, max_len: int | None, max_step_s: float) -> str:
-    """Why not to try N: "max_len", or "time" when the step is predicted to exceed the limit."""
-    if max_len is not None and n > max_len:
-        return "max_len"
-    if not done:
-        return ""
-    last = done[-1]
-    power = 2.0  # attention's N^2 once it dominates; measured from the last two steps when there are two
-    if len(done) > 1 and done[-2]["step_s"] > 0:
-        power = min(2.0, max(1.0, math.log(last["step_s"] / done[-2]["step_s"]) / math.log(last["N"] / done[-2]["N"])))
-    return "time" if last["step_s"] * (n / last["N"]) ** power > max_step_s else ""
-
-
 def _measure_row(row: dict, cfg: LongConfig, size: str, n: int, device: torch.device, dtype: torch.dtype,
                  chunk_size: int, max_step_s: float) -> str:
     """Fill ``row`` with one measured step at N; returns why the search stops here ("" to go on)."""
@@ -252,20 +266,6 @@ def _measure_row(row: dict, cfg: LongConfig, size: str, n: int, device: torch.de
     free_memory()
     row["stopped_by"] = stop
     return stop
-
-
-def summary(search: pd.DataFrame) -> pd.DataFrame:
-    """Per configuration of a :func:`longest_sequence` table: the longest N that trained, its step
-    time and peak, and what stopped the search (at which N)."""
-    rows = []
-    for name, g in search.groupby("config", sort=False):
-        ok, last = g[g.status == "ok"], g.iloc[-1]
-        best = ok.iloc[-1] if len(ok) else None
-        rows.append(dict(config=name, longest_N=int(best.N) if best is not None else 0,
-                         step_s=best.step_s if best is not None else math.nan,
-                         peak_gib=best.peak_gib if best is not None else math.nan,
-                         stopped_by=last.stopped_by, at_N=int(last.N)))
-    return pd.DataFrame(rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from . import attention as attn
+from .measure import is_oom
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -130,16 +131,23 @@ def attention_error_row(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch
                         causal: bool = False) -> dict:
     """The 2x rule for one backend on bhnd half inputs [B, H, N, D].
 
-    Returns err_backend (max |o - fp32 reference|), err_eager (same for the eager reference run in
-    q's dtype), ratio = err_backend / err_eager, and passes (ratio <= 2).
+    Returns status ("ok", or "oom" when the GPU's memory does not hold the fp32 reference's N x N scores:
+    the numbers are then NaN), err_backend (max |o - fp32 reference|), err_eager (same for the eager
+    reference run in q's dtype), ratio = err_backend / err_eager, and passes (ratio <= 2).
     """
-    ref = attn.reference_attention(q.float(), k.float(), v.float(), causal=causal)[0]
-    eager = attn.reference_attention(q, k, v, causal=causal)[0]
-    o = attn.attention(q, k, v, causal=causal, backend=backend, nan_policy="ignore")
-    e_b, e_e = _max_abs_error(o, ref), _max_abs_error(eager, ref)
+    row = {"backend": backend, "dtype": str(q.dtype).replace("torch.", ""), "N": q.shape[2], "causal": causal,
+           "status": "ok"}
+    try:
+        ref = attn.reference_attention(q.float(), k.float(), v.float(), causal=causal)[0]
+        e_e = _max_abs_error(attn.reference_attention(q, k, v, causal=causal)[0], ref)
+        e_b = _max_abs_error(attn.attention(q, k, v, causal=causal, backend=backend, nan_policy="ignore"), ref)
+    except (RuntimeError, MemoryError) as err:
+        if not is_oom(err):
+            raise
+        return {**row, "status": "oom", "err_backend": math.nan, "err_eager": math.nan, "ratio": math.nan,
+                "passes": False}
     ratio = e_b / e_e if e_e > 0 else (1.0 if e_b == 0 else math.inf)
-    return {"backend": backend, "dtype": str(q.dtype).replace("torch.", ""), "N": q.shape[2], "causal": causal,
-            "err_backend": e_b, "err_eager": e_e, "ratio": ratio, "passes": ratio <= 2.0}
+    return {**row, "err_backend": e_b, "err_eager": e_e, "ratio": ratio, "passes": ratio <= 2.0}
 
 
 def _max_abs_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
