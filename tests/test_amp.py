@@ -60,6 +60,19 @@ def test_nan_monitor_finds_first_bad_step_and_module():
     assert len(mon.history()) == 12
 
 
+def test_nan_monitor_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    model = _mlp()
+    with amp.NaNMonitor(model) as mon:
+        model(torch.ones(2, 8))
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and len(mon.summary()) == 3  # the statistics stay, the model (and its gradients) go
+
+
 def test_nan_monitor_every_and_plot():
     import matplotlib
     matplotlib.use("Agg")

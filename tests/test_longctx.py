@@ -48,6 +48,20 @@ def test_compare_attention_same_loss_and_a_ratio():
     assert df.backend.iloc[1].startswith("labkit:") and df.peak_gib.isna().all()
 
 
+def test_compare_attention_reads_oom_and_skips_longer_n(monkeypatch):
+    real = longctx.train_step
+
+    def small_gpu(cfg, size, n, **kw):
+        if n > 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 786.00 MiB.")
+        return real(cfg, size, n, **kw)
+
+    monkeypatch.setattr(longctx, "train_step", small_gpu)
+    df = longctx.compare_attention([64, 128, 256], rounds=1, **CPU)
+    assert list(df.status) == ["ok"] * 2 + ["oom"] * 2 + ["skipped"] * 2
+    assert (df.tokens_per_s[:2] > 0).all() and df.tokens_per_s[2:].isna().all() and df.vs_sdpa[2:].isna().all()
+
+
 def test_longest_sequence_stops_at_max_len_and_reports_it():
     df = longctx.longest_sequence(["eager", "rope+ckpt+chunked+mlp+offload"], start=32, max_len=64, progress=False,
                                   **CPU)

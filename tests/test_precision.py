@@ -89,6 +89,17 @@ def test_attention_error_row_cpu(dtype):
     assert 0 < row["err_eager"] < 0.05
 
 
+def test_attention_error_row_reads_oom(monkeypatch):
+    """A GPU that cannot hold the fp32 reference's scores gives a row with status "oom", not an exception."""
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB.")
+
+    q, k, v = bench.attention_inputs(1, 2, 64, 16, dtype=torch.bfloat16)
+    monkeypatch.setattr(attn, "reference_attention", no_memory)
+    row = precision.attention_error_row("sdpa_math", q, k, v, causal=True)
+    assert row["status"] == "oom" and row["N"] == 64 and row["ratio"] != row["ratio"] and not row["passes"]
+
+
 # ----------------------------------------------------------------------------- CUDA only
 
 @pytest.mark.gpu
