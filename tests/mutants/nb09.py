@@ -46,6 +46,7 @@ RULES = {
         "the sink: vs the reference with one more column (value 0); the identity o_sink = o * sigmoid(lse - sink); "
         "rows that see no key: o = 0 and lse = sink (with) or -inf (without), no NaN",
         "bf16 and fp16 in -> o in that dtype, lse fp32; o by the 2x rule at N = 128 (8 key blocks)",
+        "fp32 inputs launch with PREC=\"ieee\" (launch recorded)",
         "fp32 statistics in the Triton IR of a bf16 launch",
         "64-bit head offsets: the kernel launched by hand with the head's program id past 2^23 (no int32 overflow)",
         "_sparse_fwd_kernel compiles for sm80 and sm90 (128 x 128 tiles, d = 64, bf16)",
@@ -61,6 +62,10 @@ RULES = {
         "lists): causal N = 64, a tail block (N = 72), window 20, documents N = 100, causal N_q = 40 != N_k = 72, a sink",
         "dK/dV read the transposed (q_*) lists, dQ the kv lists; partial blocks masked (P = 0), full blocks not",
         "both kernels read only listed blocks (interpreter's loaded elements, window 16, N = 128)",
+        "fp32 inputs launch both kernels with PREC=\"ieee\" (launch recorded)",
+        "D handed to the kernels in fp32: the recorded delta_ptr of a bf16 launch (d = 64) within 1e-4 of float64 row sums",
+        "bf16 and fp16 in -> gradients in that dtype; dQ, dK, dV by the 2x rule (vs float64 autograd, against autograd "
+        "through plain attention in that dtype), causal N = 64",
         "fp32 accumulators and statistics in the Triton IR of a bf16 launch",
         "both kernels compile for sm80 and sm90 (64 x 64 tiles, d = 64, bf16)",
     ],
@@ -151,6 +156,7 @@ MISTAKES = {
         ("accumulator in the input dtype", "acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)",
          "acc = tl.zeros([BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty)"),
         ("32-bit head offsets", "bh = tl.program_id(1).to(tl.int64)", "bh = tl.program_id(1)"),
+        ("tf32 for fp32 inputs", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"', 'PREC="tf32"'),
         ("key offsets from the query block's row count", "kv_idx.shape[-1],", "triton.cdiv(Nq, block),"),
     ],
     "ex6_sink_grad": [
@@ -178,6 +184,8 @@ MISTAKES = {
         ("dK not scaled", "(dk * sm_scale).to(dk_ptr.dtype.element_ty)", "dk.to(dk_ptr.dtype.element_ty)"),
         ("lse in natural-log units", "lse2 = (lse.float() * LOG2E).reshape(B * H, Nq).contiguous()",
          "lse2 = lse.float().reshape(B * H, Nq).contiguous()"),
+        ("tf32 for fp32 inputs (backward)", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"', 'PREC="tf32"'),
+        ("D in the input dtype", "delta = (do.float() * o.float()).sum(dim=-1)", "delta = (do * o).sum(dim=-1).float()"),
         ("dV accumulator in the input dtype", "    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)\n",
          "    dv = tl.zeros([BLOCK_N, HEAD_DIM], v_ptr.dtype.element_ty)\n"),
         ("dQ kernel reads every key block", "        for j in range(0, count):\n            if part == 0:\n"
