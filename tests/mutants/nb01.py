@@ -23,6 +23,8 @@ RULES = {
         'B*H*N^2 times the element size in bytes (not bits)',
         'element size right for 8-, 4-, 2- and 1-byte dtypes (float, int and bool)',
         'returns a Python int',
+        'complex64 is 8 bytes (finfo bits count one component)',
+        'value past 2**31 exact (no 32-bit integer product)',
     ],
     'ex3_online_softmax': [
         'matches torch.softmax for block sizes that do and do not divide N',
@@ -47,7 +49,7 @@ RULES = {
         'tile max taken after the causal mask',
         'fp64 accumulators for fp64 inputs',
         'bf16/fp16 inputs: m, l and the O accumulator in fp32 across tiles, by the 2x rule',
-        'bf16/fp16 inputs: lse within 1e-4 of float64 (tile scores and exp in fp32)',
+        'bf16/fp16 inputs: lse within 1e-4 of float64 (tile scores and exp in fp32; head sizes 24 and 40, scale no power of two)',
         'no N x Nk tensor',
     ],
     'ex5a_flash_backward': [
@@ -60,6 +62,8 @@ RULES = {
         'causal tiles above the diagonal are skipped (NaN dO never read)',
         'bf16/fp16 inputs: dq, dk, dv accumulated in fp32, by the 2x rule (many tiles)',
         'D = rowsum(dO * O) in fp32 from bf16/fp16 o and do: upcast before the product, not stored in bf16 (2x rule)',
+        'lse read in fp32, not rounded to bf16 (scores near 100 exact in bf16, 2x rule)',
+        'dQ accumulator alone in fp32 over 128 K tiles (2x rule)',
     ],
     'ex5b_flash_function': [
         'own code: no labkit, SDPA or torch.softmax',
@@ -69,6 +73,7 @@ RULES = {
         'causal bottom-right with N < Nk and N > Nk through the Function, in fp64',
         'no N x N tensor built in the forward or the backward (no standard_attention, no autograd through it)',
         'backward calls flash_attention_backward: no autograd inside it',
+        'bf16 inputs: o in bf16, saved lse in fp32',
     ],
 }
 
@@ -189,7 +194,12 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                             ('N not squared', 'int(seq_len) ** 2', 'int(seq_len)'),
                             ('heads ignored', 'int(batch) * int(heads) *', 'int(batch) *'),
                             ('bits // 8 from finfo/iinfo (bool has neither)', 'dtype.itemsize',
-                             '((torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8)')],
+                             '((torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8)'),
+                            ('finfo bits // 8 (complex64 counted as one component)', 'dtype.itemsize',
+                             '((torch.finfo(dtype).bits if dtype.is_floating_point or dtype.is_complex else 8 * dtype.itemsize) // 8)'),
+                            ('product in 32-bit integers (wraps past 2**31)',
+                             'int(batch) * int(heads) * int(seq_len) ** 2 * dtype.itemsize',
+                             'int(__import__("numpy").prod([batch, heads, seq_len, seq_len], dtype="int32")) * dtype.itemsize')],
  'ex3_online_softmax': [('missing rescale of l', 'l = l * torch.exp(m - shift) +', 'l = l +'),
                         ('-inf - -inf trap',
                          'shift = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)',
@@ -271,7 +281,9 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                        ('tile scores from a bf16/fp16 matmul', 's = qi @ kj.transpose(-2, -1)',
                         's = (q[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-2, -1)).to(acc) * scale'),
                        ('exp of tile scores in the input dtype', 'p = torch.exp(s - shift)',
-                        'p = torch.exp((s - shift).to(q.dtype)).to(acc)')],
+                        'p = torch.exp((s - shift).to(q.dtype)).to(acc)'),
+                       ('scale applied to q in the input dtype, then upcast',
+                        'qi = q[..., i0:i1, :].to(acc) * scale', 'qi = (q[..., i0:i1, :] * scale).to(acc)')],
  'ex5a_flash_backward': [('causal start ignores Nk - N', '(max(0, j0 - (nk - n)) // block_m)', '(j0 // block_m)'),
                          ('skip start off by one',
                           '(max(0, j0 - (nk - n)) // block_m)',
@@ -310,7 +322,11 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                          ('D: dO * O rounded to bf16/fp16, then summed in fp32', _EX5A_DELTA,
                           'delta = (do * o).to(acc).sum(dim=-1, keepdim=True)'),
                          ('D summed in fp32, stored in the input dtype', _EX5A_DELTA,
-                          'delta = (do.to(acc) * o.to(acc)).sum(dim=-1, keepdim=True).to(q.dtype)')],
+                          'delta = (do.to(acc) * o.to(acc)).sum(dim=-1, keepdim=True).to(q.dtype)'),
+                         ('lse rounded to the input dtype before P is recomputed',
+                          'lse = lse.to(acc).unsqueeze(-1)', 'lse = lse.to(q.dtype).to(acc).unsqueeze(-1)'),
+                         ('dq alone accumulated in the input dtype (zeros_like(q))',
+                          'dq = torch.zeros(q.shape, dtype=acc, device=q.device)', 'dq = torch.zeros_like(q)')],
  'ex5b_flash_function': [('causal flag lost for backward', 'ctx.is_causal = is_causal', 'ctx.is_causal = False'),
                          ('forward ignores is_causal',
                           'flash_attention_forward(q, k, v, is_causal=is_causal)',
@@ -347,7 +363,13 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                          ('is_causal saved as a tensor', _EX5B_SAVED,
                           _EX5B_SAVED.replace("ctx.save_for_backward(q, k, v, o, lse)",
                                               "ctx.save_for_backward(q, k, v, o, lse, torch.tensor(is_causal))")
-                          .replace("q, k, v, o, lse = ctx.saved_tensors", "q, k, v, o, lse, _flag = ctx.saved_tensors"))]}
+                          .replace("q, k, v, o, lse = ctx.saved_tensors", "q, k, v, o, lse, _flag = ctx.saved_tensors")),
+                         ('forward upcasts bf16/fp16 inputs to fp32 (fp32 o)',
+                          'o, lse = flash_attention_forward(q, k, v, is_causal=is_causal)',
+                          'o, lse = flash_attention_forward(*(t.float() if t.dtype in (torch.bfloat16, torch.float16) else t '
+                          'for t in (q, k, v)), is_causal=is_causal)'),
+                         ('lse saved in the input dtype',
+                          'ctx.save_for_backward(q, k, v, o, lse)', 'ctx.save_for_backward(q, k, v, o, lse.to(q.dtype))')]}
 
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}
@@ -358,7 +380,7 @@ FITTED = {
                                 '.tril(nk - n if n in (1, 12, 20, 48) else 0)')],
     'ex2_score_matrix_bytes': [('element sizes of the visible dtypes only', 'dtype.itemsize',
                                 '{torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8, '
-                                'torch.int8: 1, torch.bool: 1}[dtype]')],
+                                'torch.int8: 1, torch.bool: 1, torch.complex64: 8}[dtype]')],
     'ex3_online_softmax': [('blocks only for the visible block sizes',
                             '    acc = torch.promote_types(x.dtype, torch.float32)\n',
                             '    acc = torch.promote_types(x.dtype, torch.float32)\n'
