@@ -2,18 +2,34 @@
 
 Under context parallelism each of P devices holds N/P of the sequence's tokens: the layer inputs
 checkpointing keeps, the layer being recomputed and the loss's residual shrink with P. Every
-device keeps a full copy of the model: weights, gradients, AdamW state and bf16 casts, and with
-learned positions that includes the position table of all N rows (``18*h`` bytes per position
-with its gradient, AdamW state and cast). The chunked loss's buffers depend on its chunk size,
-not on N, so they do not shrink either. The ring adds the key/value chunks in flight.
+device keeps a full copy of the model: weights, AdamW state, gradients and bf16 casts, and with
+learned positions that includes the position table of all N rows. The chunked loss's buffers
+depend on its chunk size, not on N, so they do not shrink either.
 
-How torch moves K/V matters here. As a ring (``rotate="alltoall"``, what ``lk.cptrain`` sets)
-each device holds its own chunk, the one it sends and the one it receives: memory that shrinks
-with P. Torch's default, ``"allgather"``, gathers every other device's K/V of the layer at once:
-``4*h`` bytes (K and V, bf16) for each of the other ``N - N/P`` tokens, memory that grows with N.
+What is alive *at the peak* decides the prediction, and three things are not there (each found
+in the code and checked against a step's allocations on a CPU, tests/test_cpmem.py):
+
+- the position table's gradient: the embedding's backward is the step's last op, after every
+  layer has freed its input, so the table costs ``12*h`` bytes per position at the layers' peak
+  (fp32 weight and AdamW's two moments), not ``18*h``;
+- its bf16 cast: autocast casts the weights of matmuls, never an embedding's;
+- the ring's buffers: torch's ring attention (``torch.distributed.tensor.experimental.
+  _context_parallel._attention``, torch 2.11 and 2.13) allocates them inside the attention op and
+  frees them when it returns. The recomputed layer peaks later, in its MLP's backward
+  (``lever.layer``), where no ring buffer is alive. The ring is a phase of its own:
+  the layer inputs, what the recomputed layer keeps while its attention runs backward
+  (:data:`ATTENTION_LAYER`) and :func:`ring_buffer_bytes` (K/V received and the copy sent on, dK/dV
+  accumulated in fp32, received and sent on). It sets the peak only when the layer's own peak is
+  small (the chunked MLP) or K/V are all-gathered on many devices.
+
+How torch moves K/V matters for that phase. As a ring (``rotate="alltoall"``, what ``lk.cptrain``
+sets) each device holds one chunk in flight. Torch's default, ``"allgather"``, gathers every
+device's K/V of the layer at once: :data:`GATHER_BYTES` per hidden unit for each of the other
+``N - N/P`` tokens. The backward passes dK/dV hop by hop either way.
 
 - :func:`cp_memory`: predicted peak bytes per device, by component, plus ``replicated`` and
   ``sharded`` subtotals (``lk.longmem.memory_model`` on the local tokens, full position table).
+- :func:`ring_buffer_bytes`: the ring backward's buffers per hidden unit and local token.
 - :func:`cp_table`: the same for several (N, P) as a DataFrame in GiB.
 - :func:`longest_sequence`: the longest N whose prediction fits a memory budget on P devices.
 
@@ -26,40 +42,68 @@ from dataclasses import replace
 import pandas as pd
 
 from .longmem import KEYS, memory_model
-from .perfmodel import ModelShape
+from .perfmodel import MemoryCoefficients, ModelShape
 
 REPLICATED = ("weights", "grads", "optimizer", "casts")
-RING_BYTES = 24.0  # per hidden unit and local token: K/V sent and received (bf16, 2x2x2) + dK/dV in fp32 (2x4x2)
 GATHER_BYTES = 4.0  # "allgather" only: per hidden unit and token of every other device, its K and V (bf16, 2x2)
+ATTENTION_LAYER = 20.0  # per hidden unit and local token: the recomputed layer while its attention runs backward
 ROTATIONS = ("alltoall", "allgather")
+TABLE_AT_PEAK = 12.0  # per position and hidden unit: fp32 weight + AdamW's two moments (no gradient, no cast yet)
+
+
+def ring_buffer_bytes(kv_bytes: float = 2.0, acc_bytes: float = 4.0) -> float:
+    """Bytes per hidden unit and local token that torch's ring backward holds at its peak (P >= 2).
+
+    Counted from ``_templated_ring_attention_backward``: dQ, dK, dV accumulators (``3*acc``);
+    K/V made contiguous, concatenated to send on and received (``3 * 2*kv``); dK/dV concatenated
+    to send on and received (``2 * 2*acc``); the kernel's dQ, dK, dV of this step (``3*kv``).
+    bf16 K/V with fp32 accumulation: 46; all fp32 (a CPU test): 64.
+    """
+    return 3 * acc_bytes + 6 * kv_bytes + 4 * acc_bytes + 3 * kv_bytes
 
 
 def cp_memory(shape: ModelShape, *, seq_len: int, world: int, checkpointing: bool = True,
               chunked_loss: bool = True, chunk_size: int = 4096, chunked_mlp: bool = False,
-              ring_bytes: float = RING_BYTES, rotate: str = "alltoall") -> dict[str, float]:
+              rotate: str = "alltoall") -> dict[str, float]:
     """Predicted peak bytes on each of ``world`` devices for one training step on ``seq_len`` tokens.
 
     The local share is ``ceil(seq_len / world)`` tokens (batch 1); the model, the full learned
-    position table included, is replicated. ``ring`` (0 on one device): the chunks in flight during
-    one layer's ring, ``ring_bytes`` per hidden unit and local token (an estimate from the tensors
-    torch's ring keeps, not fitted: compare it with a measured peak); with ``rotate="allgather"``
-    (torch's default) also :data:`GATHER_BYTES` per hidden unit for each of the other devices'
-    ``(world - 1) * local`` tokens, whose K/V the all-gather keeps whole.
+    position table included, is replicated. The peak is the larger of notebook 03's peak on the
+    local tokens (without the position table's gradient and cast, see the module's text) and, on
+    ``world`` >= 2, the ring's phase (``ring``: :func:`ring_buffer_bytes`, with ``rotate=
+    "allgather"`` (torch's default) also :data:`GATHER_BYTES` per hidden unit for each of the other
+    devices' tokens).
 
     Returns:
-        dict with :data:`labkit.longmem.KEYS`, ``ring``, ``total`` (bytes per device),
-        ``replicated`` and ``sharded`` (subtotals), ``local_tokens``.
+        dict with :data:`labkit.longmem.KEYS`, ``ring`` (0 unless the ring's phase is the peak),
+        ``total`` (bytes per device), ``replicated`` and ``sharded`` (subtotals), ``local_tokens``,
+        ``ring_phase`` (that phase's total, 0 on one device) and ``ring_at_peak`` (1.0 or 0.0).
     """
     if world < 1 or seq_len < world:
         raise ValueError(f"need 1 <= world <= seq_len, got world={world}, seq_len={seq_len}.")
     if rotate not in ROTATIONS:
         raise ValueError(f"rotate is one of {ROTATIONS} (torch's names), got {rotate!r}.")
-    local = -(-seq_len // world)
-    full_table = replace(shape, n_positions=max(shape.n_positions, seq_len))
+    local, h, coef = -(-seq_len // world), shape.n_embd, MemoryCoefficients()
+    positions = max(shape.n_positions, seq_len)
+    full_table = replace(shape, n_positions=positions)
     out = memory_model(full_table, batch=1, seq_len=local, checkpointing=checkpointing,
                        chunked_loss=chunked_loss, chunk_size=chunk_size, chunked_mlp=chunked_mlp)
-    gathered = GATHER_BYTES * (world - 1) if rotate == "allgather" else 0.0
-    out["ring"] = (ring_bytes + gathered) * local * shape.n_embd if world > 1 else 0.0
+    every = full_table.n_params()  # a phase that counts every parameter's gradient/cast counts the table's too
+    if out["grads"] == coef.grad * every:
+        out["grads"] -= coef.grad * positions * h  # made by the embedding's backward, the step's last op
+    if out["casts"] == coef.cast * every:
+        out["casts"] -= coef.cast * positions * h  # autocast does not cast an embedding's weight
+    out["ring"], out["ring_phase"], out["ring_at_peak"] = 0.0, 0.0, 0.0
+    if world > 1:
+        gathered = GATHER_BYTES * (world - 1) if rotate == "allgather" else 0.0
+        inputs = shape.n_layer * local * h * coef.checkpoint if checkpointing else out["activations"]
+        held = inputs + (ATTENTION_LAYER * local * h if checkpointing else 0.0)
+        ring = dict(out, logits=0.0, attention=0.0, activations=held,
+                    ring=(ring_buffer_bytes() + gathered) * local * h)
+        phase = sum(ring[k] for k in (*KEYS, "ring"))
+        if phase > sum(out[k] for k in KEYS):
+            out.update(ring, ring_at_peak=1.0)
+        out["ring_phase"] = phase
     out["replicated"] = sum(out[k] for k in REPLICATED)
     out["sharded"] = sum(out[k] for k in KEYS if k not in REPLICATED) + out["ring"]
     out["total"] = out["replicated"] + out["sharded"]
@@ -69,15 +113,17 @@ def cp_memory(shape: ModelShape, *, seq_len: int, world: int, checkpointing: boo
 
 def cp_table(shape: ModelShape, seq_lens, worlds=(1, 2, 4, 8), **kwargs) -> pd.DataFrame:
     """:func:`cp_memory` for every (N, P): N, world, local_tokens, replicated_gib, sharded_gib,
-    total_gib (per device) and positions_gib (the replicated position table's share)."""
+    total_gib (per device), positions_gib (the replicated position table at the peak) and
+    ring_gib (the ring's buffers where they set the peak, else 0)."""
     rows = []
     for n in seq_lens:
         for world in worlds:
             m = cp_memory(shape, seq_len=n, world=world, **kwargs)
-            table = 18.0 * max(shape.n_positions, n) * shape.n_embd  # weight, grad, AdamW, bf16 cast
+            table = TABLE_AT_PEAK * max(shape.n_positions, n) * shape.n_embd
             rows.append(dict(N=n, world=world, local_tokens=int(m["local_tokens"]),
                              replicated_gib=m["replicated"] / 2**30, positions_gib=table / 2**30,
-                             sharded_gib=m["sharded"] / 2**30, total_gib=m["total"] / 2**30))
+                             sharded_gib=m["sharded"] / 2**30, ring_gib=m["ring"] / 2**30,
+                             total_gib=m["total"] / 2**30))
     return pd.DataFrame(rows)
 
 
@@ -94,4 +140,5 @@ def longest_sequence(shape: ModelShape, *, budget_bytes: float, world: int, head
     return lo * step
 
 
-__all__ = ["GATHER_BYTES", "REPLICATED", "RING_BYTES", "ROTATIONS", "cp_memory", "cp_table", "longest_sequence"]
+__all__ = ["ATTENTION_LAYER", "GATHER_BYTES", "REPLICATED", "ROTATIONS", "TABLE_AT_PEAK", "cp_memory", "cp_table",
+           "longest_sequence", "ring_buffer_bytes"]
