@@ -8,7 +8,7 @@ RULES = {
     "ex1_dense_reference": [
         "own code: no flex_attention / SDPA / labkit",
         "o and lse vs flex_attention (eager, float64): no mods with N_q != N_k, a score_mod on the scaled scores, "
-        "the scale argument, causal",
+        "the scale argument, causal, a score_mod and a mask_mod that read b and h",
         "the mask applied after score_mod (soft-capping + causal)",
         "rows that see no key: o = 0, lse = -inf, no NaN",
         "bf16 in -> o bf16, lse fp32 [B, H, N_q]",
@@ -95,6 +95,8 @@ MISTAKES = {
          "work = q.dtype"),
         ("lse without the row max", "lse = (m + torch.log(l)).squeeze(-1)", "lse = torch.log(l).squeeze(-1)"),
         ("scale ignored", "scale = 1.0 / math.sqrt(d) if scale is None else scale", "scale = 1.0 / math.sqrt(d)"),
+        ("rules called for head 0 only", "h = torch.arange(H, device=q.device).view(1, H, 1, 1)",
+         "h = torch.zeros(1, 1, 1, 1, dtype=torch.long)"),
     ],
     "ex2_mask_mods": [
         ("window off by one (w keys)", "(q_idx - kv_idx <= window)", "(q_idx - kv_idx < window)"),
@@ -212,8 +214,8 @@ HIDDEN_ONLY = {}
 # grade_id -> [(name, text, replacement)]: passes the visible tests, fails the hidden ones
 FITTED = {
     "ex1_dense_reference": [
-        ("rules called for batch 0, head 0 only", "h = torch.arange(H, device=q.device).view(1, H, 1, 1)",
-         "h = torch.zeros(1, 1, 1, 1, dtype=torch.long)"),
+        ("row max clamped at -1e4 instead of the -inf test", "m = torch.where(torch.isinf(m), torch.zeros_like(m), m)",
+         "m = m.clamp_min(-1e4)"),
     ],
     "ex2_mask_mods": [
         ("window fixed at 3 for w > 0", "(q_idx - kv_idx <= window)", "(q_idx - kv_idx <= min(window, 3))"),
