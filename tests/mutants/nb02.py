@@ -12,6 +12,7 @@ RULES = {
         "no mask for a non-causal module",
         "causal rule aligned bottom-right, N < Nk (decode) and N > Nk",
         "boolean attention_mask used as given (True = attend)",
+        "a given mask is not AND-ed with another causal rule (N < Nk, causal module, padding)",
         "fully masked rows give 0, not NaN",
         "scores in the thousands do not overflow (max subtracted)",
         "output dtype follows value (bf16 in, bf16 out)",
@@ -35,6 +36,7 @@ RULES = {
         "ok = err_impl <= factor * err_eager + 1e-6 with the factor passed",
         "eager against itself with factor=1: equal errors, ok (<=, not <)",
         "a wrong implementation (no scaling) does not pass",
+        "relative L2 divides by the reference's norm (a large error tells ||ref|| from ||x||)",
         "relative L2 computed in float64: logits ~1e19 give the same ~1% (fp32 squares overflow to inf)",
         "model.eval() first: dropout off",
     ],
@@ -87,6 +89,9 @@ MISTAKES = {
          "low = scores.to(value.dtype)\n    e = (low - low.amax(-1, keepdim=True)).exp()\n"
          "    probs = (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)"),
         ("fp64 inputs computed in fp32", "acc = torch.promote_types(query.dtype, torch.float32)", "acc = torch.float32"),
+        ("given mask AND-ed with a top-left causal rule", "keep = attention_mask\n",
+         "keep = attention_mask\n    if keep is not None and getattr(module, \"is_causal\", True):\n"
+         "        keep = keep & (torch.arange(nk)[None, :] <= torch.arange(n)[:, None])\n"),
         ("boolean mask added to the scores", 'scores = torch.where(keep, scores, float("-inf"))', "scores = scores + keep"),
         ("output reshaped to [B, N, H, D], not transposed", "return out.transpose(1, 2), None",
          "return out.reshape(out.shape[0], out.shape[2], out.shape[1], out.shape[3]), None"),
@@ -136,6 +141,8 @@ MISTAKES = {
         ("strict < without the 1e-6 floor", "err_impl <= factor * err_eager + 1e-6", "err_impl < factor * err_eager"),
         ("autocast device hard-coded to cuda", "torch.autocast(input_ids.device.type,", 'torch.autocast("cuda",'),
         ("relative L2 in fp32", ".logits.double()", ".logits.float()"),
+        ("divided by the candidate's norm", 'err_impl = float((logits(implementation, True) - ref).norm() / ref_norm)',
+         'cand = logits(implementation, True)\n    err_impl = float((cand - ref).norm() / cand.norm())'),
         ("logits not upcast (fp32 arithmetic on bf16 and fp32 logits)", ".logits.double()", ".logits"),
     ],
     "ex4_padding": [
