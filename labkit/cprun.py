@@ -1,9 +1,13 @@
 """``python -m labkit cp-train``: launch, check and report GPT-2 context-parallel training.
 
 - :func:`main`: the command. With ``--nproc P`` > 1 outside ``torchrun`` it starts itself as
-  ``python -m torch.distributed.run --standalone --nproc-per-node P -m labkit cp-train ...``;
-  under ``torchrun`` each rank joins the process group (NCCL on GPUs; gloo on CPU processes, see
-  :mod:`labkit.cpcpu`) and a 1-D device mesh, then
+  ``python -m torch.distributed.run --standalone --nproc-per-node P -m labkit cp-train ...``
+  (with ``--nnodes M --rdzv-endpoint host:port``: ``--nnodes M --rdzv-backend c10d`` instead of
+  ``--standalone``, run the same command on each of the M machines). It runs under any other
+  ``torchrun`` launch too, one machine or several: the world is torchrun's (``WORLD_SIZE``, ``RANK``,
+  ``LOCAL_RANK``; each rank takes its node's GPU ``LOCAL_RANK``). Under ``torchrun`` each rank joins
+  the process group (NCCL on GPUs; gloo on CPU processes, see :mod:`labkit.cpcpu`) and a 1-D device
+  mesh over every rank of every node, then
   trains (:func:`lk.cptrain.train <labkit.cptrain.train>`) or, with ``--check``, compares with one GPU.
 - :func:`parse`: the options, checked before anything starts (argparse's one line, exit status 2):
   with P processes the length must split into 2P equal chunks (head-tail load balancing), ``--check``
@@ -43,7 +47,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m labkit cp-train", description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=ca.integer(2, 4096), required=True,
                    help="tokens in the one training sequence (with --nproc P: a multiple of 2P)")
-    p.add_argument("--nproc", type=ca.integer(1, 2), default=None, help="processes (GPUs) to start through torchrun")
+    p.add_argument("--nproc", type=ca.integer(1, 2), default=None,
+                   help="processes (GPUs) to start through torchrun, on each machine")
+    p.add_argument("--nnodes", type=ca.integer(1, 2), default=1,
+                   help="machines taking part (run the same command on each; needs --rdzv-endpoint)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="with --nnodes: torchrun's c10d rendezvous, a host:port every machine reaches")
     p.add_argument("--single", action="store_true", help="one process, no context parallelism (the baseline)")
     p.add_argument("--steps", type=ca.integer(1, 2), default=2, help="optimizer steps; the last is timed (default 2)")
     p.add_argument("--checkpointing", action="store_true", help="recompute each block in the backward")
@@ -63,28 +72,40 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
     launched = "LOCAL_RANK" in os.environ  # a torchrun worker: the world is torchrun's (--nproc was dropped)
-    world = 1 if args.single else int(os.environ.get("WORLD_SIZE", 1)) if launched else (args.nproc or 1)
+    world = 1 if args.single else int(os.environ.get("WORLD_SIZE", 1)) if launched else (args.nproc or 1) * args.nnodes
+    if args.nnodes > 1 and not launched and (args.rdzv_endpoint is None or ":" not in args.rdzv_endpoint):
+        p.error("argument --nnodes: several machines meet at a c10d rendezvous: give --rdzv-endpoint HOST:PORT "
+                "(a port on one of them that every machine reaches), e.g. --rdzv-endpoint node0:29500")
     if args.check and world < 2:
         p.error("--check compares context parallelism with one GPU: give --nproc 2 or more (without --single)")
     step = 2 * world  # the load balancer cuts the sequence into 2 equal chunks per process
     if world > 1 and args.seq_len % step:
         p.error(f"argument --seq-len: with {world} processes it must be a multiple of 2*{world} = {step} "
                 f"(2 equal chunks per process); got {args.seq_len}, e.g. {max(step, args.seq_len // step * step)}")
-    if world > 1 and not launched and not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() < world:
-        p.error(f"argument --nproc: {world} processes need one GPU each and this machine has "
+    here = world // args.nnodes  # processes on this machine
+    if world > 1 and not launched and not args.cpu and torch.cuda.is_available() and torch.cuda.device_count() < here:
+        p.error(f"argument --nproc: {here} processes need one GPU each and this machine has "
                 f"{torch.cuda.device_count()}; use --single for the one-GPU baseline or --cpu for CPU processes")
     return args
 
 
-def _relaunch(argv: list[str], nproc: int) -> int:
-    """This command under torchrun with ``nproc`` processes (``--nproc`` dropped)."""
+LAUNCH_OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint")  # torchrun's, dropped from the workers' command
+
+
+def _relaunch(argv: list[str], nproc: int, nnodes: int = 1, endpoint: str | None = None) -> int:
+    """This command under torchrun with ``nproc`` processes on this machine (``--nproc`` dropped);
+    with ``nnodes`` > 1, one of ``nnodes`` machines meeting at the c10d rendezvous ``endpoint``."""
     rest, skip = [], False
     for arg in argv:
-        if skip or arg == "--nproc" or arg.startswith("--nproc="):
-            skip = arg == "--nproc" and not skip
-            continue
-        rest.append(arg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        if skip:
+            skip = False
+        elif arg in LAUNCH_OPTIONS:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in LAUNCH_OPTIONS)):
+            rest.append(arg)
+    where = (["--standalone"] if nnodes == 1 else
+             [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=labkit-cp-train"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
            "-m", "labkit", "cp-train", *rest]
     print("+", " ".join(cmd), flush=True)
     return subprocess.call(cmd)
@@ -117,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.cpu and os.environ.get("CUDA_VISIBLE_DEVICES") != "":  # this process may have seen the GPUs already
         return subprocess.call([sys.executable, "-m", "labkit", "cp-train", *argv], env=_cpu_env())
-    if args.nproc and args.nproc > 1 and not args.single and "LOCAL_RANK" not in os.environ:
-        return _relaunch(argv, args.nproc)
+    if ((args.nproc or 1) * args.nnodes > 1 and not args.single and "LOCAL_RANK" not in os.environ):
+        return _relaunch(argv, args.nproc or 1, args.nnodes, args.rdzv_endpoint)
     mesh, device = _setup(args.single)
     try:
         result = check(args, mesh, device) if args.check else cptrain.train(args, mesh, device)

@@ -327,3 +327,33 @@ def test_two_gpus_train_with_one_gpus_loss(tmp_path):
     assert [r["rank"] for r in cp] == [0, 1] and cp[0]["local_tokens"] == 16384
     assert cp[0]["losses"][0] == pytest.approx(single["losses"][0], rel=2e-3)
     assert all(r["peak_gib"] < single["peak_gib"] for r in cp)
+
+
+def test_two_nodes_of_one_cpu_process_each(tmp_path):
+    """Several machines: the same command on each, meeting at torchrun's c10d rendezvous (here 2 "nodes"
+    on this machine, 1 gloo process each): --check passes over the 2 nodes' ranks, rank 0 reports."""
+    from labkit.ringproc import _free_port
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    outs = [tmp_path / f"node{i}.json" for i in range(2)]
+    nodes = [subprocess.Popen([sys.executable, "-m", "labkit", "cp-train", "--nproc", "1", "--nnodes", "2",
+                               "--rdzv-endpoint", endpoint, "--size", "tiny", "--seq-len", "256", "--chunk-size", "64",
+                               "--check", "--json", str(out)], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for out in outs]
+    logs = [node.communicate(timeout=150)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    assert any("--rdzv-backend=c10d" in log and "--nnodes=2" in log for log in logs)
+    (rows,) = [json.loads(out.read_text()) for out in outs if out.exists()]  # global rank 0's node writes it
+    assert [r["rank"] for r in rows] == [0, 1] and all(r["world"] == 2 and r["ok"] for r in rows), rows
+
+
+def test_several_nodes_need_a_rendezvous(monkeypatch, capsys):
+    from labkit import cprun
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(cprun.subprocess, "call", lambda *a, **k: pytest.fail("nothing may start"))
+    with pytest.raises(SystemExit) as info:
+        cprun.main(["--nproc", "2", "--nnodes", "2", "--seq-len", "256", "--cpu"])
+    assert info.value.code == 2 and "--rdzv-endpoint HOST:PORT" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # 2 nodes x 2 processes = 4 ranks: the length must split into 8 chunks
+        cprun.parse(["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--seq-len", "260"])
