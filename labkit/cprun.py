@@ -61,6 +61,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default="small", choices=list(cptrain.gpt2.SIZES), help="GPT-2 size")
     p.add_argument("--seed", type=ca.integer(0, 0), default=0)
     p.add_argument("--check", action="store_true", help="compare attention and a step with one GPU instead")
+    p.add_argument("--rotate", default=cptrain.ROTATE_METHOD, choices=["alltoall", "allgather"],
+                   help="how K/V move: alltoall = the ring, hop by hop (default); allgather = torch's default")
+    p.add_argument("--no-load-balance", action="store_true",
+                   help="contiguous shards instead of torch's head-tail order (per-rank step times show why)")
+    p.add_argument("--no-comm", action="store_true",
+                   help="timing only: every ring step on the rank's own K/V, nothing sent (wrong loss)")
     p.add_argument("--cpu", action="store_true", help="CPU processes (gloo) even where GPUs exist: the GPUs are hidden")
     p.add_argument("--json", type=ca.out_file("build/cp.json"), default=None,
                    help="write rank 0's result (all ranks) here")
@@ -76,6 +82,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.nnodes > 1 and not launched and (args.rdzv_endpoint is None or ":" not in args.rdzv_endpoint):
         p.error("argument --nnodes: several machines meet at a c10d rendezvous: give --rdzv-endpoint HOST:PORT "
                 "(a port on one of them that every machine reaches), e.g. --rdzv-endpoint node0:29500")
+    if args.check and (args.no_comm or args.no_load_balance or args.rotate != cptrain.ROTATE_METHOD):
+        p.error("--check compares torch's ring as cp-train trains with it: leave out --no-comm, --no-load-balance, --rotate")
     if args.check and world < 2:
         p.error("--check compares context parallelism with one GPU: give --nproc 2 or more (without --single)")
     step = 2 * world  # the load balancer cuts the sequence into 2 equal chunks per process
@@ -184,6 +192,8 @@ def _report(rows: list[dict], args) -> None:
         for r in rows:
             peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f} GiB"  # None: a CPU keeps no peak counter
             ring = f" K/V by {r['rotate']}" if r.get("rotate") else ""
+            ring += "" if r.get("load_balance", True) else ", contiguous shards"
+            ring += "" if r.get("transfer", True) else ", nothing sent (timing only)"
             print(f"rank {r['rank']}/{r['world']}: N={r['N']:,} local={r['local_tokens']:,} loss={r['losses'][-1]:.4f} "
                   f"step={r['step_s']:.2f} s tokens/s={r['tokens_per_s']:,.0f} peak={peak} "
                   f"model={r['predicted_gib']:.2f} GiB ({r['device']}{ring})")

@@ -127,29 +127,70 @@ def rotate_method() -> str:
     return "alltoall" if getattr(_cp_options.rotate_method, "name", "") == "ALL_TO_ALL" else "allgather"
 
 
-def sharded(mesh, buffers: list[torch.Tensor], seq_dim: int = 1):
-    """context_parallel over ``mesh`` with K/V passed as a ring (:func:`use_ring`), sharding
-    ``buffers`` (plain tensors) in place along ``seq_dim`` and not restoring them; nothing when
-    mesh is None."""
+class _LocalRotater:
+    """A K/V "rotation" that sends nothing: each step gets back this rank's own buffer (same shapes,
+    same compute, wrong result): what a ring step costs without its transfer."""
+
+    def __init__(self, *args, **kwargs):
+        self._buffer = None
+
+    def exchange_buffers(self, curr_buffer: torch.Tensor) -> None:
+        self._buffer = curr_buffer
+
+    def next_buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+@contextlib.contextmanager
+def no_kv_transfer():
+    """Inside: torch's ring attention computes every step on the rank's own K/V and dK/dV (no
+    communication; timing only, the result is wrong). Patches the private ``_create_rotater``."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    original = _attention._create_rotater
+    _attention._create_rotater = lambda *args, **kwargs: _LocalRotater()
+    try:
+        yield
+    finally:
+        _attention._create_rotater = original
+
+
+@contextlib.contextmanager
+def sharded(mesh, buffers: list[torch.Tensor], seq_dim: int = 1, *, rotate: str = ROTATE_METHOD,
+            load_balance: bool = True):
+    """context_parallel over ``mesh`` with K/V moved by ``rotate`` (:func:`use_ring`; default the ring),
+    sharding ``buffers`` (plain tensors) in place along ``seq_dim`` and not restoring them; nothing
+    when mesh is None. ``load_balance=False``: contiguous shards, no head-tail order (torch's
+    ``_cp_options.enable_load_balance``, restored afterwards)."""
     if mesh is None:
-        return contextlib.nullcontext()
+        yield
+        return
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    use_ring()
-    return context_parallel(mesh, buffers=buffers, buffer_seq_dims=[seq_dim] * len(buffers),
-                            no_restore_buffers=set(buffers))
+    use_ring(rotate)
+    before, _cp_options.enable_load_balance = _cp_options.enable_load_balance, load_balance
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[seq_dim] * len(buffers),
+                              no_restore_buffers=set(buffers)):
+            yield
+    finally:
+        _cp_options.enable_load_balance = before
 
 
-def loss_and_grads(model, batch: list[torch.Tensor], mesh, *, chunk_size: int, dtype: torch.dtype) -> float:
+def loss_and_grads(model, batch: list[torch.Tensor], mesh, *, chunk_size: int, dtype: torch.dtype,
+                   rotate: str = ROTATE_METHOD, load_balance: bool = True, transfer: bool = True) -> float:
     """Forward and backward of one step on ``batch`` (see :func:`make_batch`); returns the global mean loss.
 
     Under ``mesh`` (context parallelism) each rank holds its shard; the parameters' ``.grad``
-    afterwards hold the gradient of the global mean on every rank.
+    afterwards hold the gradient of the global mean on every rank. ``rotate`` and ``load_balance``:
+    see :func:`sharded`; ``transfer=False``: :func:`no_kv_transfer` (timing only, wrong gradients).
     """
     ids, positions, labels = (t.clone() for t in batch)  # sharded in place: keep the caller's batch whole
     count = (labels != -100).sum()
     device = ids.device.type
-    with sharded(mesh, [ids, positions, labels]):
+    quiet = contextlib.nullcontext() if transfer or mesh is None else no_kv_transfer()
+    with sharded(mesh, [ids, positions, labels], rotate=rotate, load_balance=load_balance), quiet:
         with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
             mean = levers.lm_loss(model, ids, chunk_size=chunk_size, position_ids=positions, targets=labels)
         loss = mean * (labels != -100).sum() / count  # this rank's share of the global mean
@@ -184,7 +225,10 @@ def train(args, mesh, device: torch.device) -> dict:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
-        losses.append(loss_and_grads(model, batch, mesh, chunk_size=args.chunk_size, dtype=_dtype(device)))
+        losses.append(loss_and_grads(model, batch, mesh, chunk_size=args.chunk_size, dtype=_dtype(device),
+                                     rotate=getattr(args, "rotate", ROTATE_METHOD),
+                                     load_balance=not getattr(args, "no_load_balance", False),
+                                     transfer=not getattr(args, "no_comm", False)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -199,7 +243,9 @@ def train(args, mesh, device: torch.device) -> dict:
     return dict(rank=dist.get_rank() if mesh is not None else 0, world=world, N=args.seq_len, local_tokens=local,
                 losses=losses, step_s=step_s, tokens_per_s=args.seq_len / step_s, peak_gib=peak,
                 predicted_gib=predicted / 2**30, rotate=rotate, checkpointing=args.checkpointing,
-                chunked_mlp=args.chunked_mlp, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+                chunked_mlp=args.chunked_mlp, load_balance=not getattr(args, "no_load_balance", False),
+                transfer=not getattr(args, "no_comm", False),
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -207,4 +253,4 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 
 __all__ = ["ATTN_NAME", "MLP_CHUNKS", "ROTATE_METHOD", "build_model", "cp_attention", "loss_and_grads", "make_batch",
-           "rotate_method", "sharded", "train", "use_ring"]
+           "no_kv_transfer", "rotate_method", "sharded", "train", "use_ring"]

@@ -357,3 +357,28 @@ def test_several_nodes_need_a_rendezvous(monkeypatch, capsys):
     assert info.value.code == 2 and "--rdzv-endpoint HOST:PORT" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # 2 nodes x 2 processes = 4 ranks: the length must split into 8 chunks
         cprun.parse(["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--seq-len", "260"])
+
+
+def _variants(mesh) -> dict:
+    """One step's loss under each setting cp-train can time, and alone (fp32, lk.cpcpu's kernel)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    cpcpu.install()
+    model, batch = tiny(256, local_tokens=128), cptrain.make_batch(256, 256, torch.device("cpu"))
+    run = dict(chunk_size=64, dtype=torch.float32)
+    out = {"alone": cptrain.loss_and_grads(model, batch, None, **run),
+           "contiguous_allgather": cptrain.loss_and_grads(model, batch, mesh, rotate="allgather", load_balance=False, **run),
+           "no_transfer": cptrain.loss_and_grads(model, batch, mesh, transfer=False, **run)}
+    out["restored"] = (_attention._cp_options.enable_load_balance, _attention._create_rotater.__name__)
+    return out
+
+
+def test_timing_variants_load_balance_rotation_and_no_transfer():
+    """Contiguous shards and torch's all-gather give one process's loss; without K/V transfer (timing
+    only) the loss differs; torch's options and rotater are restored afterwards."""
+    results = on_two_gloo_processes(_variants, timeout=90)
+    assert all(results), "a gloo rank failed or timed out"
+    for r in results:
+        assert r["contiguous_allgather"] == pytest.approx(r["alone"], rel=1e-5)
+        assert r["no_transfer"] != pytest.approx(r["alone"], rel=1e-5)
+        assert r["restored"] == (True, "_create_rotater")
