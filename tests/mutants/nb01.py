@@ -36,6 +36,7 @@ RULES = {
         'bf16/fp16 inputs: running max and sum in fp32, by the 2x rule (long rows, many blocks)',
         'bf16 values near 100: statistics (m, l, m + log l) not rounded to bf16, by the 2x rule',
         'reads x only in slices of <= block_size columns',
+        'two passes over x: m and l streamed together (no separate max pass)',
     ],
     'ex4_flash_forward': [
         'own code: no labkit, SDPA or torch.softmax',
@@ -51,6 +52,7 @@ RULES = {
         'bf16/fp16 inputs: m, l and the O accumulator in fp32 across tiles, by the 2x rule',
         'bf16/fp16 inputs: lse within 1e-4 of float64 (tile scores and exp in fp32; head sizes 24 and 40, scale no power of two)',
         'no N x Nk tensor',
+        'outer loop over Q blocks (FA2 order): a Q block is never read again after a later one',
     ],
     'ex5a_flash_backward': [
         'own code: no labkit, autograd, SDPA or torch.softmax',
@@ -96,6 +98,40 @@ _EX1_SOFTMAX = """    m = s.amax(dim=-1, keepdim=True)                          
     lse = (m + torch.log(l)).squeeze(-1)                        # [..., N]; -inf for a fully masked row
     p = p / torch.where(l > 0, l, torch.ones_like(l))           # a fully masked row stays all zero
     return (p @ v.to(acc)).to(q.dtype), lse
+"""
+_EX3_PASS1 = """        m_new = torch.maximum(m, xb.amax(dim=-1, keepdim=True))
+        shift = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        l = l * torch.exp(m - shift) + torch.exp(xb - shift).sum(dim=-1, keepdim=True)
+        m = m_new
+"""
+_EX3_THREE_PASSES = """        m = torch.maximum(m, xb.amax(dim=-1, keepdim=True))   # pass 1: the row max only
+    shift = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    for start in range(0, n, block_size):                              # pass 2: the sum
+        l = l + torch.exp(x[..., start:start + block_size].to(acc) - shift).sum(dim=-1, keepdim=True)
+"""
+_EX4_V1_ORDER = """    m_all = torch.full((*lead, n, 1), float("-inf"), dtype=acc, device=q.device)
+    l_all = torch.zeros((*lead, n, 1), dtype=acc, device=q.device)
+    o_all = torch.zeros((*lead, n, d), dtype=acc, device=q.device)
+    for j0 in range(0, nk, block_n):                               # FlashAttention v1's order: K/V blocks outside
+        j1 = min(j0 + block_n, nk)
+        kj, vj = k[..., j0:j1, :].to(acc), v[..., j0:j1, :].to(acc)
+        for i0 in range(0, n, block_m):
+            i1 = min(i0 + block_m, n)
+            if is_causal and j0 > i1 - 1 + nk - n:
+                continue
+            s = (q[..., i0:i1, :].to(acc) * scale) @ kj.transpose(-2, -1)
+            if is_causal:
+                rows = torch.arange(i0, i1, device=q.device)[:, None] + (nk - n)
+                s = s.masked_fill(torch.arange(j0, j1, device=q.device)[None, :] > rows, float("-inf"))
+            m_old = m_all[..., i0:i1, :]
+            m_new = torch.maximum(m_old, s.amax(dim=-1, keepdim=True))
+            shift = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            p, alpha = torch.exp(s - shift), torch.exp(m_old - shift)
+            l_all[..., i0:i1, :] = alpha * l_all[..., i0:i1, :] + p.sum(dim=-1, keepdim=True)
+            o_all[..., i0:i1, :] = alpha * o_all[..., i0:i1, :] + p @ vj
+            m_all[..., i0:i1, :] = m_new
+    o = (o_all / torch.where(l_all > 0, l_all, torch.ones_like(l_all))).to(q.dtype)
+    return o, (m_all + torch.log(l_all)).squeeze(-1)
 """
 _EX4_HEAD = """    acc = torch.promote_types(q.dtype, torch.float32)              # fp32 accumulators (fp64 for gradcheck)
     *lead, n, d = q.shape
@@ -231,7 +267,8 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                          'torch.exp(xb - (m + torch.log(l)).to(x.dtype).to(acc))'),
                         ('logsumexp of each block',
                          'l = l * torch.exp(m - shift) + torch.exp(xb - shift).sum(dim=-1, keepdim=True)',
-                         'l = l * torch.exp(m - shift) + torch.exp(torch.logsumexp(xb, dim=-1, keepdim=True) - shift)')],
+                         'l = l * torch.exp(m - shift) + torch.exp(torch.logsumexp(xb, dim=-1, keepdim=True) - shift)'),
+                        ('three passes: the row max first, then the sum', _EX3_PASS1, _EX3_THREE_PASSES)],
  'ex4_flash_forward': [('causal tiles masked but not skipped',
                         'j_end = max(0, min(nk, i1 + nk - n)) if is_causal else nk',
                         'j_end = nk'),
@@ -282,6 +319,7 @@ MISTAKES = {'ex1_standard_attention': [('causal mask aligned top-left', '.tril(n
                         's = (q[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-2, -1)).to(acc) * scale'),
                        ('exp of tile scores in the input dtype', 'p = torch.exp(s - shift)',
                         'p = torch.exp((s - shift).to(q.dtype)).to(acc)'),
+                       ('K/V blocks outside, Q blocks inside (v1 order)', _EX4_HEAD, _EX4_HEAD + _EX4_V1_ORDER),
                        ('scale applied to q in the input dtype, then upcast',
                         'qi = q[..., i0:i1, :].to(acc) * scale', 'qi = (q[..., i0:i1, :] * scale).to(acc)')],
  'ex5a_flash_backward': [('causal start ignores Nk - N', '(max(0, j0 - (nk - n)) // block_m)', '(j0 // block_m)'),
