@@ -203,6 +203,8 @@ FITTED = {
     "ex4_padding": [
         ("pad_id hard-coded to the visible 9", "torch.full((len(seqs), width), pad_id, dtype=torch.long)",
          "torch.full((len(seqs), width), 9, dtype=torch.long)"),
+        ("width from the first three sequences (the visible batches have at most three)",
+         "width = max(len(s) for s in seqs)", "width = max(len(s) for s in seqs[:3])"),
     ],
     "ex5_decode": [
         ("max_new_tokens hard-coded to the visible 8", "for step in range(max_new_tokens):", "for step in range(8):"),

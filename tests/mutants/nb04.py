@@ -104,7 +104,9 @@ HIDDEN_ONLY = {}
 # grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
 FITTED = {
     "ex1_phase_counts": [("B·H hard-coded to the visible 8", "bh, nn = B * H, N * N", "bh, nn = 8, N * N")],
-    "ex2_flash_bytes": [("ceil written as (N + 63) // block_m (visible block 64)", "math.ceil(N / block_m)", "(N + 63) // block_m")],
+    "ex2_flash_bytes": [("ceil written as (N + 63) // block_m (visible block 64)", "math.ceil(N / block_m)", "(N + 63) // block_m"),
+                        ("ceil only for the visible block sizes 64 and 128", "tiles = math.ceil(N / block_m)",
+                         "tiles = math.ceil(N / block_m) if block_m in (64, 128) else N // block_m")],
     "ex3_roofline": [("ridge hard-coded to the toy machine's 100", "intensity < peak_tflops * 1e12 / bandwidth", "intensity < 100")],
     "ex4_predictor": [("columns taken by position (every visible frame starts with B, H, N, D)",
                        'B, H, N, D = (df[k].to_numpy(dtype=float) for k in "BHND")',
