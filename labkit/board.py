@@ -16,7 +16,8 @@ a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
   attention, softmax or labkit reached; none of the notebook's own Triton kernels launched; a timer, torch or
   the reference monkey-patched); ``error`` (its last line); ``timeout`` (the process group killed).
 - score (GPU): :mod:`labkit.boardshapes` (06: TFLOP/s over the matmul peak; 08: GB/s over the read ceiling;
-  geometric means over fixed shapes), the best library kernel's score from the same run beside it.
+  09: TFLOP/s of the work the mask keeps over the matmul peak; geometric means over fixed shapes), the best
+  library kernel's score from the same run beside it.
   ``--cpu`` (or no GPU): Triton's interpreter, every status but no score.
 
 Output: ``OUT/board.csv`` (student, status, detail, score, ...), ``OUT/board.html`` (the ranked table and a bar

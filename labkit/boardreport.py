@@ -22,7 +22,9 @@ ORDER = {"ok": 0, "wrong": 1, "flagged": 2, "error": 3, "timeout": 4}
 WHAT = {"06_triton_flashattention": "TFLOP/s over the measured matmul peak (bf16), geometric mean over "
                                     "N = 1K/4K/16K, d = 64/128, causal and not; forward and forward+backward",
         "08_decode_attention": "GB/s over the measured read ceiling (bf16, H_q 32, H_kv 8, d 128), geometric mean "
-                               "over (B, N) = (1, 4K), (1, 16K), (1, 64K), (8, 8K), split-KV contiguous and paged"}
+                               "over (B, N) = (1, 4K), (1, 16K), (1, 64K), (8, 8K), split-KV contiguous and paged",
+        "09_flex_attention": "TFLOP/s of the work the mask keeps over the measured matmul peak (bf16, H 16, d 128), "
+                             "forward, geometric mean over N = 4K/8K/16K and masks causal, window 1024, 16 documents"}
 
 
 def ranked(table: pd.DataFrame) -> pd.DataFrame:

@@ -12,7 +12,7 @@ here), the secret seed, whether to time, and where to write the result, a JSON o
    address space far beyond its use, so ``RLIMIT_AS`` cannot cap it).
 2. A snapshot of what a submission could patch to look fast or right: SDPA and the softmaxes, the timers
    (``triton.testing.do_bench``, CUDA events and graphs, ``time.perf_counter``), and every function of
-   labkit's timing, reference and grading modules and of :mod:`labkit.boardshapes`.
+   labkit's timing, reference and grading modules and of the board's (:mod:`labkit.boardshapes`).
 3. The cells, in one namespace named ``__main__`` (as a notebook kernel's); each compiled under its own
    file name kept in ``linecache``, as IPython does, so ``inspect`` and ``@triton.jit`` read its source.
    A cell that raises -> ``error`` (its exception's last line).
@@ -50,7 +50,8 @@ def _guarded() -> dict[str, object]:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    from . import attention, bench, boardshapes, decode, grading, graphtime, measure, readbw, tritonmode
+    from . import (attention, bench, boardcommon, boardshapes06, boardshapes08, boardshapes09, decode, flexbench,
+                   flexlib, grading, graphtime, measure, readbw, tritonmode)
 
     found = {f"{owner.__name__}.{name}": getattr(owner, name) for owner, name in [
         (F, "scaled_dot_product_attention"), (F, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"),
@@ -59,7 +60,8 @@ def _guarded() -> dict[str, object]:
         (torch.Tensor, "double"), (torch.autograd, "grad"), (torch.cuda, "synchronize"), (torch.cuda.Event, "record"),
         (torch.cuda.Event, "elapsed_time"), (torch.cuda.CUDAGraph, "replay"), (time, "perf_counter"),
         (triton.testing, "do_bench"), (JITFunction, "run"), (Autotuner, "run")]}
-    for module in (attention, bench, boardshapes, decode, grading, graphtime, measure, readbw, tritonmode):
+    for module in (attention, bench, boardcommon, boardshapes06, boardshapes08, boardshapes09, decode, flexbench,
+                   flexlib, grading, graphtime, measure, readbw, tritonmode):
         found.update({f"{module.__name__}.{name}": obj for name, obj in vars(module).items()
                       if callable(obj) and not isinstance(obj, type) and not name.startswith("__")})
     return found

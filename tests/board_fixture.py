@@ -4,11 +4,12 @@ nbgrader's layout, ``ROOT/<student>/<assignment>/<assignment>.ipynb``. Each vari
 (old, new) replacements in the solution's code cells; each ``old`` must occur exactly once.
 
 - ``ok``: the solution; ``wrong``: o divided by l + 1 (a wrong result at every shape); ``flagged``: the wrapper
-  calls ``F.scaled_dot_product_attention``; ``pytorch``: the forward in plain PyTorch (no Triton kernel launched);
-  ``error``: an answer cell raises (NameError); ``timeout``: an answer
-  cell sleeps past any limit.
+  calls ``F.scaled_dot_product_attention`` (09: ``flex_attention``); ``pytorch``: the forward in plain PyTorch
+  (no Triton kernel launched); ``error``: an answer cell raises (NameError); ``timeout``: an answer cell sleeps
+  past any limit.
 - Weaker, still right, for the GPU ranking: 08 ``nosplit`` (decode_split and paged_decode launch one split),
-  06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them).
+  06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them), 09 ``dense``
+  (the forward reads every key block as a partial one: the mask rule keeps it right, no block is skipped).
 
 GPU check: ``python tests/board_gpu.py`` (:data:`GPU_STUDENTS`: the solution, the weaker variant, and what
 must be flagged or wrong, as compiled kernels).
@@ -53,9 +54,21 @@ VARIANTS = {
                     "                    # keys any row here sees\n",
                     "        hi = N_K                                                           # no tile skipped\n")],
     },
+    "09_flex_attention": {
+        "ok": [],
+        "wrong": [("(acc / l_safe[:, None])", "(acc / (l_safe[:, None] + 1.0))")],
+        "flagged": [("    return o.reshape(q.shape), lse.reshape(B, H, Nq)\n",
+                     "    o = flex_attention(q, k, v)\n    return o, lse.reshape(B, H, Nq)\n")],
+        "dense": [("    kv_idx = as_i32(\"kv_indices\")\n",
+                   "    n_q, n_k = triton.cdiv(Nq, block), triton.cdiv(Nk, block)   # every block partial\n"
+                   "    lists = {**lists, \"kv_num_blocks\": torch.full((n_q,), n_k),\n"
+                   "             \"full_kv_num_blocks\": torch.zeros(n_q)}\n"
+                   "    kv_idx = torch.arange(n_k, device=q.device, dtype=torch.int32).repeat(n_q, 1).contiguous()\n")],
+    },
 }
 GPU_STUDENTS = {"08_decode_attention": ["ok", "nosplit", "wrong", "flagged"],
-                "06_triton_flashattention": ["ok", "noskip", "flagged"]}
+                "06_triton_flashattention": ["ok", "noskip", "flagged"],
+                "09_flex_attention": ["ok", "dense", "wrong", "flagged"]}
 
 
 def variant(assignment: str, name: str) -> dict:

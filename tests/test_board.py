@@ -1,7 +1,7 @@
 """Tests for the speed-of-light board (``labkit.board``, ``boardrun``, ``boardshapes``, ``boardreport``).
 
 The boards run on a CPU through Triton's interpreter (correctness only): synthetic submissions made from the
-solution notebooks (tests/board_fixture.py), one process per student; the 08 and 06 boards run at once, each
+solution notebooks (tests/board_fixture.py), one process per student; the 08, 06 and 09 boards run at once, each
 student in its own process, so the student that sleeps past the limit costs the limit once.
 """
 from __future__ import annotations
@@ -18,7 +18,10 @@ from labkit import board, boardreport, boardshapes
 
 LIMIT = 60   # s per student, the sleeper's cost: an ok worker took 18 s beside 8 others on 2 cores with 2 more busy
 STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "timeout", "tamper"],
-            "06_triton_flashattention": ["ok", "wrong", "flagged", "pytorch"]}
+            "06_triton_flashattention": ["ok", "wrong", "flagged", "pytorch"],
+            "09_flex_attention": ["ok", "wrong", "flagged"]}
+LIBRARY = {"08_decode_attention": "scaled_dot_product_attention",
+           "06_triton_flashattention": "scaled_dot_product_attention", "09_flex_attention": "flex_attention"}
 TAMPER = ("class PageAllocator:\n", "import labkit.measure\n\nlabkit.measure.time_interleaved = "
                                     "lambda fns, **kwargs: ({}, {})\n\n\nclass PageAllocator:\n")
 
@@ -35,7 +38,7 @@ def boards(tmp_path_factory):
     folder = root / "submitted" / "08_decode_attention" / "tamper" / "08_decode_attention"
     folder.mkdir(parents=True)
     (folder / "08_decode_attention.ipynb").write_text(json.dumps(tamper), encoding="utf-8")
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(STUDENTS)) as pool:
         runs = {a: pool.submit(board.board, a, root / "submitted" / a, root / a, seed=7, timeout=LIMIT, gpu=False,
                                jobs=len(STUDENTS[a])) for a in STUDENTS}
         return {a: (run.result().set_index("student"), root / a) for a, run in runs.items()}
@@ -47,7 +50,7 @@ def test_each_submission_gets_its_status(boards, assignment):
     expected = {s: ("flagged" if s in ("tamper", "pytorch") else s) for s in STUDENTS[assignment]}
     assert table["status"].to_dict() == expected, table[["status", "detail"]].to_string()
     assert table.loc["ok", "detail"] == ""
-    assert "scaled_dot_product_attention" in table.loc["flagged", "detail"]
+    assert LIBRARY[assignment] in table.loc["flagged", "detail"]
     assert table["score"].isna().all(), "a CPU board checks correctness only: no score"
     csv = pd.read_csv(out / "board.csv")
     assert {"student", "status", "detail", "score"} <= set(csv.columns) and len(csv) == len(expected)
@@ -82,6 +85,22 @@ def test_cells_to_run_skip_tests_demos_and_everything_after_the_kernels():
     assert "PROGRAMS_PER_SM = 4" in sources and "if lk.grading.answered" not in sources.split("def paged_decode")[0]
     assert "MODE = lk.tritonmode.setup()" in sources, "the first code cell runs whole"
     assert "tiny_llama" not in sources
+
+
+def test_09_runs_the_kernels_and_their_helpers_not_the_sweep():
+    nb = json.loads((ROOT / "solutions/09_flex_attention/09_flex_attention.ipynb").read_text(encoding="utf-8"))
+    sources = "\n".join(c["source"] for c in board.cells_to_run(nb, boardshapes.SPECS["09_flex_attention"].graded))
+    assert "def sparse_attention_backward" in sources and "MASKS = {" in sources and "def _online_tile" in sources
+    assert "flexbench.sweep" not in sources and "loaded_elements" not in sources
+
+
+def test_09_kept_work_counts_the_visible_scores():
+    from labkit import boardshapes09 as b09
+
+    ids = b09.documents([3, 5])
+    assert b09.kept_scores(b09.rule("causal"), 8, "cpu", chunk=3) == 36
+    assert b09.kept_scores(b09.rule("window", 2), 8, "cpu") == 1 + 2 + 3 * 6
+    assert b09.kept_scores(b09.rule("document", document_id=ids), 8, "cpu", chunk=5) == 6 + 15
 
 
 def test_magics_and_unparsable_cells():
