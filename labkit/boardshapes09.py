@@ -8,7 +8,7 @@ q [B, H, Nq, d], k, v [B, H, Nk, d]; ``lists``: ``create_block_mask``'s eight li
 document of ``document_id``).
 
 - Check: fp32 (and bf16 on a GPU) at shapes the visible tests never use: N not a multiple of the block, Nq != Nk
-  (causal and window: the kernel allows it; documents index q and k with one id list, so Nq = Nk), uneven
+  (causal with Nq > Nk: rows that see the key tail's bounds; a window with Nq < Nk; documents index q and k with one id list, so Nq = Nk), uneven
   documents, a sink on the forward and its lse given to the backward; against float64 autograd through a dense
   attention with the same boolean table (the sink one more score column, value 0).
 - Time (GPU, forward): :func:`labkit.flexbench.sweep` (the notebook's sweep: ``torch.compile(flex_attention)``
@@ -63,21 +63,22 @@ def documents(lengths: list[int]) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
 
-# (B, H, Nq, Nk, d, mask, window, document lengths, sink); block 16 on a CPU, 128 on a GPU
-SHAPES = {"cpu": [(1, 2, 50, 50, 16, "causal", 0, None, True), (1, 2, 37, 70, 16, "window", 9, None, False),
+# (B, H, Nq, Nk, d, mask, window, document lengths, sink); block 16 on a CPU, 128 on a GPU (fp32: 32)
+SHAPES = {"cpu": [(1, 2, 60, 41, 16, "causal", 0, None, True), (1, 2, 37, 70, 16, "window", 9, None, False),
                   (2, 1, 45, 45, 16, "document", 0, [7, 20, 18], False)],
-          "cuda": [(2, 3, 1000, 1000, 128, "causal", 0, None, True), (1, 4, 700, 1300, 64, "window", 200, None, False),
+          "cuda": [(2, 3, 1100, 777, 128, "causal", 0, None, True), (1, 4, 700, 1300, 64, "window", 200, None, False),
                    (1, 4, 1500, 1500, 128, "document", 0, [300, 777, 423], True)]}
-BLOCK = {"cpu": 16, "cuda": 128}
+BLOCK = {"cpu": 16, "cuda": 128, "cuda fp32": 32}   # fp32 tiles of 128 x 128 would not fit in shared memory
 
 
 def _check(ns: dict, seed: int, device: torch.device) -> None:
     from . import flexlib
 
-    fwd, bwd, block = ns["sparse_attention"], ns["sparse_attention_backward"], BLOCK[device.type]
+    fwd, bwd = ns["sparse_attention"], ns["sparse_attention_backward"]
     shapes = [(s, t) for s in SHAPES[device.type] for t in common.CHECK_DTYPES[device.type]]
     for i, ((b, h, nq, nk, d, kind, window, lengths, with_sink), dtype) in enumerate(shapes):
         gen = torch.Generator().manual_seed(seed + i)
+        block = BLOCK.get(f"{device.type} {str(dtype)[6:]}", BLOCK[device.type])
         q, do = (common.randn(gen, b, h, nq, d, dtype=dtype, device=device) for _ in range(2))
         k, v = (common.randn(gen, b, h, nk, d, dtype=dtype, device=device) for _ in range(2))
         sink = common.randn(gen, h, device=device) if with_sink else None
@@ -87,7 +88,8 @@ def _check(ns: dict, seed: int, device: torch.device) -> None:
         extra = dict(mask=kind, window=window, document_id=None if ids is None else ids.to(device))
         table = allowed(rule(kind, window, extra["document_id"]), torch.arange(nq, device=device), nk)
         where = (f"B={b} H={h} Nq={nq} Nk={nk} d={d} mask={kind}{f' window={window}' if kind == 'window' else ''}"
-                 f"{f' documents={lengths}' if lengths else ''}{' sink' if with_sink else ''} {str(dtype)[6:]}")
+                 f"{f' documents={lengths}' if lengths else ''}{' sink' if with_sink else ''} block={block} "
+                 f"{str(dtype)[6:]}")
         o, lse = fwd(q, k, v, lists, block, sink=sink, **extra)
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
         o64, lse64 = dense(*leaves, table, sink)
@@ -137,7 +139,8 @@ def _time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
     from . import bench, flexbench
 
     fn, kept, H, d = ns["sparse_attention"], {}, TIMED["H"], TIMED["d"]
-    cases = [dict(c, rule=lambda N, c=c: rule(c["kind"], c.get("window", 0), _ids(c, N, device))) for c in CASES]
+    cases = [dict(c, rule=lambda N, c=c: rule(c["kind"], c.get("window", 0), _ids(c, N, device)),
+                  document_id=lambda N, c=c: _ids(c, N, device)) for c in CASES]
 
     def student(q, k, v, lists, block, case, N):   # the timed call; keeps what the timer gave it
         kept[(N, case["name"])] = (q, k, v, lists, block, case)
