@@ -30,14 +30,14 @@ from .boardcommon import Spec
 
 def rule(kind: str, window: int = 0, document_id: torch.Tensor | None = None):
     """The mask_mod of a kernel mask: "none", "causal", "window" or "document" (causal within a document)."""
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = (q_idx >= kv_idx) | (kind == "none")
+    def visible(b, h, q_idx, kv_idx):
+        seen = (q_idx >= kv_idx) | (kind == "none")
         if kind == "window":
-            keep = keep & (q_idx - kv_idx <= window)
+            seen = seen & (q_idx - kv_idx <= window)
         if kind == "document":
-            keep = keep & (document_id[q_idx] == document_id[kv_idx])
-        return keep
-    return mask_mod
+            seen = seen & (document_id[q_idx] == document_id[kv_idx])
+        return seen
+    return visible
 
 
 def allowed(mask_mod, rows: torch.Tensor, Nk: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def dense(q, k, v, table, sink=None, dtype=torch.float64):
 
 def documents(lengths: list[int]) -> torch.Tensor:
     """Document ids [sum(lengths)] of consecutive documents of these lengths."""
-    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
 
 
 # (B, H, Nq, Nk, d, mask, window, document lengths, sink); block 16 on a CPU, 128 on a GPU (fp32: 32)
