@@ -120,7 +120,11 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
             here = [b for b in BACKENDS if not why_not(b, device=device, dtype=dtype)]
             command.error(f"argument --backends: none runs here ({first}); these do: {', '.join(here)}, auto")
     if args.command == "board":
-        from .board import submissions
+        try:
+            from .board import submissions
+        except ModuleNotFoundError:
+            command.error("the board is an instructor's tool and is not in the student bundle; run it from the course "
+                          "repository")
 
         if not submissions(args.submitted, args.assignment):
             command.error(f"argument --submitted: no {args.submitted}/<student>/{args.assignment}/{args.assignment}"

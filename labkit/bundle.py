@@ -13,6 +13,9 @@ leaks and refuses to write a bundle that has any:
   ``labkit/`` holds the reference implementations that answers are checked against, so a line of
   solution *code* may coincide with a reference there; hidden tests and model answers may not.
 
+The board's modules (``labkit/board*.py``, ``python -m labkit board``) stay out of the bundle: an instructor's tool,
+with the check shapes and mask rules it judges submissions by.
+
 Used in: the Makefile (``bundle``), ``tests/test_bundle.py``.
 """
 from __future__ import annotations
@@ -26,6 +29,8 @@ TOP_FOLDER = "lab-1.5-flashattention"
 BUNDLE_FILES = ("README.md", "environment.yml", "pyproject.toml", "constraints.txt", "Makefile")
 BUNDLE_DIRS = ("notebooks", "labkit")
 EXCLUDED_PARTS = {"__pycache__", ".ipynb_checkpoints"}
+# instructors' tools that students must not see: the board's check shapes, its index rules and its seed handling
+INSTRUCTOR_ONLY = ("labkit/board",)
 FORBIDDEN_DIRS = ("solutions", "tests")
 MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 MIN_LINE_CHARS = 24
@@ -41,7 +46,8 @@ def bundle_files(root: Path) -> list[Path]:
     files = [Path(name) for name in BUNDLE_FILES]
     for folder in BUNDLE_DIRS:
         files += [p.relative_to(root) for p in (root / folder).rglob("*")
-                  if p.is_file() and not EXCLUDED_PARTS & set(p.parts) and p.suffix != ".pyc"]
+                  if p.is_file() and not EXCLUDED_PARTS & set(p.parts) and p.suffix != ".pyc"
+                  and not p.relative_to(root).as_posix().startswith(INSTRUCTOR_ONLY)]
     missing = [str(f) for f in files if not (root / f).is_file()]
     if missing:
         raise FileNotFoundError(f"bundle files missing under {root}: {missing}")

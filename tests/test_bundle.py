@@ -39,7 +39,10 @@ def test_bundle_holds_the_student_course(built):
     for name in committed:
         assert files[name] == (ROOT / name).read_bytes()
     for module in (ROOT / "labkit").glob("*.py"):
-        assert files[f"labkit/{module.name}"] == module.read_bytes()
+        if f"labkit/{module.name}".startswith(bundle.INSTRUCTOR_ONLY):
+            assert f"labkit/{module.name}" not in files
+        else:
+            assert files[f"labkit/{module.name}"] == module.read_bytes()
 
 
 def test_bundle_holds_no_solutions_hidden_tests_or_answers(built):
@@ -106,3 +109,9 @@ def test_missing_files_are_named(tmp_path):
     (root / "environment.yml").unlink()
     with pytest.raises(FileNotFoundError, match="environment.yml"):
         bundle.bundle_files(root)
+
+
+def test_the_board_stays_out_of_the_bundle():
+    files = [f.as_posix() for f in bundle.bundle_files(ROOT)]
+    assert "labkit/grading.py" in files
+    assert not [f for f in files if f.startswith("labkit/board")], "the board's check shapes would reach students"
