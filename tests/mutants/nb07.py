@@ -14,7 +14,7 @@ RULES = {'ex1_merge': ['o and lse equal attention over all keys (even and uneven
  'ex2_zigzag': ['a list of P lists of two chunk indices',
                 'chunk indices are Python ints',
                 'chunks 0..2P-1 each on exactly one device',
-                'device i holds chunks i and 2P-1-i (P = 2, 3, 4)'],
+                'device i holds chunks i and 2P-1-i (P = 1, 2, 3, 4)'],
  'ex3_causal_work': ['all chunks together give the causal triangle N(N+1)/2',
                      'non-adjacent chunks, each counted by its own index (vs enumeration)',
                      'returns a Python int']}
@@ -80,7 +80,7 @@ FITTED = {'ex1_merge': [('-inf guard on lse1 only (the visible empty side is the
                 'shift = torch.where(torch.isneginf(lse1), torch.zeros_like(lse), lse)')],
  'ex2_zigzag': [('table of the visible P',
                  'return [[i, 2 * P - 1 - i] for i in range(P)]',
-                 'return {2: [[0, 3], [1, 2]], 3: [[0, 5], [1, 4], [2, 3]], 4: [[0, 7], [1, 6], [2, 5], [3, 4]]}[P]')],
+                 'return {1: [[0, 1]], 2: [[0, 3], [1, 2]], 3: [[0, 5], [1, 4], [2, 3]], 4: [[0, 7], [1, 6], [2, 5], [3, 4]]}[P]')],
  'ex3_causal_work': [('table of the visible cases',
                       'return sum(c * m * m + m * (m + 1) // 2 for c in chunks)',
                       'return {((0, 1, 2, 3), 8): 528, ((0, 1), 3): 21, ((1, 6), 3): 75, ((2,), 5): 65,\n'
