@@ -68,16 +68,17 @@ def read_bandwidth(*, device=None, mib: int | None = None, target_ms: float = 50
     ``LABKIT_GPU_MEMORY_GB``'s cap counted: :func:`labkit.profiles.free_bytes`),
     timed as the decode kernels are (:func:`labkit.graphtime.time_per_call`: graphs of LAYERS launches, L2
     flushed by a read), so fixed costs weigh alike. The winning config is kept for :func:`read_once` on this
-    device. CPU: ``torch.sum`` over a ``mib`` (default 64) MiB buffer."""
+    device. CPU: ``torch.sum`` over a ``mib`` (default 64) MiB fp32 buffer."""
     device = measure.as_device(device)
     if mib is None:
         mib = 64 if device.type != "cuda" else min(8192, profiles.free_bytes(device) // 4 // 2**20)  # cap counted
     if mib < 1:
         raise ValueError(f"mib must be at least 1, got {mib}")
-    x = torch.ones(mib * 2**19, dtype=torch.bfloat16, device=device)
-    if device.type != "cuda":
-        t = measure.time_fn(lambda: x.sum(dtype=torch.float32), device=device, target_ms=target_ms)
+    if device.type != "cuda":  # fp32: a CPU's sum of bf16 is bound by the conversion (~1 GB/s), not by memory
+        x = torch.ones(mib * 2**18, dtype=torch.float32)
+        t = measure.time_fn(lambda: x.sum(), device=device, target_ms=target_ms)
         return x.numel() * x.element_size() / (t.median_ms * 1e-3)
+    x = torch.ones(mib * 2**19, dtype=torch.bfloat16, device=device)
     calls = {config: _sum_call(x, torch.empty(_programs(device, config), device=device), config)
              for config in READ_CONFIGS}
     per_call, _ = graphtime.time_per_call([calls], device, target_ms=target_ms)
