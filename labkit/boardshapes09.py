@@ -68,7 +68,7 @@ SHAPES = {"cpu": [(1, 2, 60, 41, 16, "causal", 0, None, True), (1, 2, 37, 70, 16
                   (2, 1, 45, 45, 16, "document", 0, [7, 20, 18], False)],
           "cuda": [(2, 3, 1100, 777, 128, "causal", 0, None, True), (1, 4, 700, 1300, 64, "window", 200, None, False),
                    (1, 4, 1500, 1500, 128, "document", 0, [300, 777, 423], True)]}
-BLOCK = {"cpu": 16, "cuda": 128, "cuda fp32": 32}   # fp32 tiles of 128 x 128 would not fit in shared memory
+BLOCK = {"cpu": 16, "cuda": 128, "cuda float32": 32}   # fp32 tiles of 128 x 128 would not fit in shared memory
 
 
 def _check(ns: dict, seed: int, device: torch.device) -> None:

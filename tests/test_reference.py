@@ -27,7 +27,7 @@ CELLS = list(gpu_only_cells())
 # Notebooks whose reference GPU run is not stored yet: the device time of the session that made the
 # others ran out (06, 07) or the notebook is newer than the run (08). Strict: storing one fails this
 # list until the entry is removed. Their GPU-only cells print a one-line notice meanwhile.
-NOT_YET_RUN: set[str] = {"09_flex_attention"}  # notebooks whose GPU-only cells have no stored reference run yet
+NOT_YET_RUN: set[str] = set()  # notebooks whose GPU-only cells have no stored reference run yet
 
 
 def _params():
