@@ -1,19 +1,22 @@
 """Notebook 09's GPU measurements: a block-sparse kernel against FlexAttention, SDPA with a mask, FA4, varlen.
 
-:func:`sweep` times, for each sequence length and each mask the notebook passes in (its own rules: the
-sliding window and the document mask are exercise answers, so they come from the notebook), one forward of
+:func:`sweep` times, for each head size d, each sequence length N and each mask the notebook passes in (its own
+rules: the sliding window and the document mask are exercise answers, so they come from the notebook), the
+forward (``pass`` "fwd") and the forward with its backward ("fwd+bwd": dq, dk, dv for a fixed dO) of
 
-- ``mine``: the notebook's kernel, called with the block mask's lists (the same ``create_block_mask`` result);
+- ``mine``: the notebook's kernels, called with the block mask's eight lists (the same ``create_block_mask``
+  result); its backward is the notebook's too (``mine_backward``, given the forward's o and lse);
 - ``flex_triton``: ``torch.compile(flex_attention)`` (its Triton backend), ``flex_flash``: the same with
   ``kernel_options={"BACKEND": "FLASH"}`` (FlashAttention-4 kernels) where the installed torch and flash-attn-4
-  offer it;
+  offer it; both differentiated by autograd through the compiled function;
 - ``sdpa_mask``: SDPA with the dense boolean mask (N x N bytes; skipped past ``dense_limit``);
 - ``fa4``: FlashAttention-4's own function where the mask is one it has (causal, a causal window; documents
   through its varlen function), and ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` for documents.
 
 Every call runs once before timing: a backend that fails (not installed, refused, out of memory) gets its
 error in ``status`` and the rest go on. Timings take turns (:func:`labkit.measure.time_interleaved`).
-:func:`block_mask_cost` times ``create_block_mask`` itself, the first call and later ones.
+:func:`block_mask_cost` times ``create_block_mask`` itself, the first call and later ones. :func:`fa4_varlen`
+and :func:`varlen_attend` are the packed (varlen) calls the notebook's training step uses too.
 
 Used in: 09_flex_attention.
 """
@@ -29,6 +32,9 @@ import torch
 from . import kernels, measure
 
 BLOCK = 128          # FlexAttention's default block: the kernels compared read the same block lists
+PASSES = ("fwd", "fwd+bwd")
+LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
 def _recompile_room(limit: int = 256) -> None:
@@ -46,44 +52,102 @@ def _kwargs(fn: Callable, **wanted) -> dict:
     return {k: v for k, v in wanted.items() if k in params}
 
 
-def fa4_call(q, k, v, *, window: int | None = None, cu_seqlens: torch.Tensor | None = None) -> Callable:
-    """A causal FA4 forward of q, k, v [1, H, N, d] (bhnd): plain, with a left window, or varlen over cu_seqlens."""
-    if cu_seqlens is None:
-        fn = kernels.flash_function("fa4")
-        qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))             # [1, N, H, d]
-        extra = {} if window is None else _kwargs(fn, window_size=(window, 0))
-        if window is not None and not extra:
-            raise TypeError("this flash-attn-4 has no window_size argument")
-        return lambda: fn(qb, kb, vb, causal=True, **extra)
+def status_of(err: BaseException) -> str:
+    """One line for a table: the error's type and the first line of its message."""
+    first = str(err).splitlines()[0][:120] if str(err) else ""
+    return f"{type(err).__name__}: {first}"
+
+
+def _first(out):
+    """FA4 and varlen may return (o, lse): the output alone."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int):
+    """FA4's ``flash_attn_varlen_func``, causal inside each document: q, k, v [T, H, d] -> o [T, H, d]."""
+    kernels.flash_function("fa4")   # a clear ImportError when flash-attn-4 is missing
     import flash_attn.cute as cute
 
     fn = cute.flash_attn_varlen_func
-    qt, kt, vt = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # [T, H, d]
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    extra = _kwargs(fn, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest)
-    return lambda: fn(qt, kt, vt, causal=True, **extra)
+    extra = _kwargs(fn, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    return _first(fn(q, k, v, causal=True, **extra))
 
 
-def varlen_call(q, k, v, cu_seqlens: torch.Tensor) -> Callable:
-    """torch.nn.attention.varlen.varlen_attn, causal inside each document, on [T, H, d] (signature read at run time)."""
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int):
+    """``torch.nn.attention.varlen.varlen_attn``, causal inside each document: [T, H, d] -> [T, H, d].
+
+    Its causal switch changed name across versions (``window_size=(-1, 0)`` or ``is_causal=True``, read from the
+    installed signature); the positional arguments (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k) did not.
+    """
     from torch.nn.attention.varlen import varlen_attn
 
-    qt, kt, vt = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     params = inspect.signature(varlen_attn).parameters
     causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True} if "is_causal" in params else None
     if causal is None:
         raise TypeError("varlen_attn here has neither window_size nor is_causal")
-    return lambda: varlen_attn(qt, kt, vt, cu_seqlens, cu_seqlens, longest, longest, **causal)
+    return _first(varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **causal))
 
 
-def _flex_calls(q, k, v, block_mask) -> dict[str, Callable]:
+def _fa4_spec(q, k, v, case: dict, cu: torch.Tensor | None):
+    """(inputs, fn): FA4 causal, windowed or varlen over q, k, v [1, H, N, d] (bhnd) laid out as it wants."""
+    if cu is not None:
+        longest = int((cu[1:] - cu[:-1]).max())
+        return tuple(t[0].transpose(0, 1).contiguous() for t in (q, k, v)), \
+            lambda a, b, c: fa4_varlen(a, b, c, cu, longest)                 # [T, H, d]
+    fn = kernels.flash_function("fa4")
+    extra = {} if case["kind"] == "causal" else _kwargs(fn, window_size=(case["window"], 0))
+    if case["kind"] != "causal" and not extra:
+        raise TypeError("this flash-attn-4 has no window_size argument")
+    return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v)), \
+        lambda a, b, c: _first(fn(a, b, c, causal=True, **extra))          # [1, N, H, d]
+
+
+def _specs(q, k, v, case: dict, bm, rule, N: int, dense_limit: int) -> tuple[dict, dict]:
+    """The library backends as {name: (inputs, fn)} (fn(*inputs) -> o) and {name: status} for those refused."""
     from torch.nn.attention.flex_attention import flex_attention
 
     triton_fn = torch.compile(flex_attention, dynamic=False)
     flash_fn = torch.compile(flex_attention, dynamic=False)
-    return {"flex_triton": lambda: triton_fn(q, k, v, block_mask=block_mask),
-            "flex_flash": lambda: flash_fn(q, k, v, block_mask=block_mask, kernel_options={"BACKEND": "FLASH"})}
+    specs = {"flex_triton": ((q, k, v), lambda a, b, c: triton_fn(a, b, c, block_mask=bm)),
+             "flex_flash": ((q, k, v), lambda a, b, c: flash_fn(a, b, c, block_mask=bm,
+                                                                  kernel_options={"BACKEND": "FLASH"}))}
+    failed = {}
+    makers = {}
+    if N <= dense_limit:
+        def sdpa():
+            idx = torch.arange(N, device=q.device)
+            zero = torch.tensor(0, device=q.device)
+            dense = rule(zero, zero, idx.view(N, 1), idx.view(1, N))
+            return (q, k, v), lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=dense)
+        makers["sdpa_mask"] = sdpa
+    cu = None
+    if case["kind"] == "document":
+        ids = case["document_id"](N).to(q.device)
+        cu = torch.zeros(int(ids.max()) + 2, dtype=torch.int32, device=q.device)
+        cu[1:] = torch.cumsum(torch.bincount(ids), 0)
+        longest = int((cu[1:] - cu[:-1]).max())
+        makers["varlen"] = lambda: (tuple(t[0].transpose(0, 1).contiguous() for t in (q, k, v)),
+                                    lambda a, b, c: varlen_attend(a, b, c, cu, longest))
+    makers["fa4"] = lambda: _fa4_spec(q, k, v, case, cu)
+    for name, make in makers.items():
+        try:
+            specs[name] = make()
+        except Exception as err:  # noqa: BLE001 - not installed, refused or out of memory here: a status
+            failed[name] = status_of(err)
+    return specs, failed
+
+
+def _train(inputs: tuple, fn: Callable) -> Callable:
+    """fn's forward and backward: dq, dk, dv by autograd for a fixed random dO (leaves of their own)."""
+    leaves = tuple(t.detach().requires_grad_() for t in inputs)
+    do = []
+
+    def step():
+        o = _first(fn(*leaves))
+        if not do:
+            do.append(torch.randn_like(o))
+        return torch.autograd.grad(o, leaves, do[0])
+    return step
 
 
 def _first_call(fn: Callable) -> tuple[str, float]:
@@ -95,68 +159,109 @@ def _first_call(fn: Callable) -> tuple[str, float]:
         return "ok", time.perf_counter() - start
     except Exception as err:  # noqa: BLE001 - one backend's failure is a row's status, not the sweep's end
         measure.free_memory()
-        return f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}", time.perf_counter() - start
+        return status_of(err), time.perf_counter() - start
 
 
-def sweep(cases: list[dict], seq_lens: list[int], *, mine: Callable, H: int = 16, d: int = 128,
-          dtype=torch.bfloat16, target_ms: float = 30.0, dense_limit: int = 16384,
-          also: dict[str, Callable] | None = None) -> pd.DataFrame:
-    """One forward per backend, mask and N: a tidy DataFrame (N, mask, density, backend, ms, first_call_s, status).
+def _calls(q, k, v, lists, case, N, bm, rule, *, mine, mine_backward, also, passes, dense_limit):
+    """{(backend, pass): callable} to time and {(backend, pass): status} of those that could not be built."""
+    calls, failed = {}, {}
+    ours = {"mine": mine, **(also or {})}
+    for name, fn in ours.items():
+        if "fwd" in passes:
+            calls[(name, "fwd")] = lambda fn=fn: fn(q, k, v, lists, BLOCK, case, N)
+    if "fwd+bwd" in passes and mine_backward is not None:
+        do = torch.randn_like(q)
+
+        def mine_step():
+            o, lse = mine(q, k, v, lists, BLOCK, case, N)
+            return mine_backward(q, k, v, o, lse, do, lists, BLOCK, case, N)
+        calls[("mine", "fwd+bwd")] = mine_step
+    specs, refused = _specs(q, k, v, case, bm, rule, N, dense_limit)
+    for name, (inputs, fn) in specs.items():
+        if "fwd" in passes:
+            calls[(name, "fwd")] = lambda inputs=inputs, fn=fn: fn(*inputs)
+        if "fwd+bwd" in passes:
+            calls[(name, "fwd+bwd")] = _train(inputs, fn)
+    failed = {(name, p): status for name, status in refused.items() for p in passes}
+    return calls, failed
+
+
+def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine: Callable,
+          mine_backward: Callable | None = None, H: int = 16, d: int = 128, dtype=torch.bfloat16,
+          target_ms: float = 30.0, dense_limit: int = 16384, also: dict[str, Callable] | None = None,
+          progress: bool = True) -> pd.DataFrame:
+    """Forward (and forward+backward) per backend, head size, N and mask: a tidy DataFrame
+    (d, N, mask, density, backend, pass, ms, first_call_s, status).
 
     Args:
         cases: dicts with ``name``; ``rule(N) -> mask_mod``; ``kind`` ("causal", "window" or "document");
             ``window`` (int, for "window"); ``document_id(N) -> [N] int tensor`` (for "document").
-        mine: ``mine(q, k, v, lists, block, case, N)`` -> the notebook's forward; ``lists``: the block mask's
-            four kv lists (kv_num_blocks, kv_indices and the full_ pair) for (batch 0, head 0), on the GPU.
+        seq_lens: the lengths N at head size ``d``, or {d: lengths} for several head sizes.
+        mine: ``mine(q, k, v, lists, block, case, N) -> (o, lse)``, the notebook's forward; ``lists``: the block
+            mask's eight lists for (batch 0, head 0), on the GPU (kv_* for the forward, q_* for dK, dV).
+        mine_backward: ``mine_backward(q, k, v, o, lse, do, lists, block, case, N) -> (dq, dk, dv)``; given, every
+            backend is timed in the pass "fwd+bwd" too (the others through autograd).
         dense_limit: the longest N given to SDPA with a dense boolean mask (N x N bytes).
-        also: more of the notebook's variants, name -> a function called as ``mine`` is (e.g. with a sink).
+        also: more of the notebook's forward variants, name -> a function called as ``mine`` is (e.g. a sink).
     """
     from torch.nn.attention.flex_attention import create_block_mask
+    from tqdm.auto import tqdm
 
     _recompile_room()
+    shapes = [(hd, n) for hd, ns in (seq_lens if isinstance(seq_lens, dict) else {d: seq_lens}).items() for n in ns]
+    passes = PASSES if mine_backward is not None else ("fwd",)
     rows = []
-    for N in seq_lens:
-        q, k, v = (torch.randn(1, H, N, d, device="cuda", dtype=dtype) for _ in range(3))
-        for case in cases:
-            rule = case["rule"](N)
-            bm = create_block_mask(rule, None, None, N, N, device="cuda", BLOCK_SIZE=BLOCK)
-            lists = {name: getattr(bm, name)[0, 0] for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks",
-                                                                "full_kv_indices")}
-            n_blocks = bm.kv_indices.shape[-1]
-            density = float((lists["kv_num_blocks"].sum() + lists["full_kv_num_blocks"].sum()) / n_blocks ** 2)
-            calls = {"mine": lambda case=case, lists=lists: mine(q, k, v, lists, BLOCK, case, N), **_flex_calls(q, k, v, bm)}
-            for name, fn in (also or {}).items():
-                calls[name] = lambda fn=fn, case=case, lists=lists: fn(q, k, v, lists, BLOCK, case, N)
-            if N <= dense_limit:
-                idx = torch.arange(N, device="cuda")
-                dense = rule(torch.tensor(0, device="cuda"), torch.tensor(0, device="cuda"), idx.view(N, 1), idx.view(1, N))
-                calls["sdpa_mask"] = lambda dense=dense: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
-            failed = {}
-            extra = {"fa4": lambda: fa4_call(q, k, v)} if case["kind"] == "causal" else \
-                {"fa4": lambda: fa4_call(q, k, v, window=case["window"])} if case["kind"] == "window" else {}
-            if case["kind"] == "document":
-                ids = case["document_id"](N).to("cuda")
-                cu = torch.zeros(int(ids.max()) + 2, dtype=torch.int32, device="cuda")
-                cu[1:] = torch.cumsum(torch.bincount(ids), 0)
-                extra = {"fa4": lambda: fa4_call(q, k, v, cu_seqlens=cu), "varlen": lambda: varlen_call(q, k, v, cu)}
-            for name, make in extra.items():
-                try:
-                    calls[name] = make()
-                except Exception as err:  # noqa: BLE001 - not installed or refused here: a status
-                    failed[name] = (f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}", 0.0)
-            first = {name: _first_call(fn) for name, fn in calls.items()}
-            first.update(failed)
-            ok = {name: fn for name, fn in calls.items() if first[name][0] == "ok"}
-            timings, errors = measure.time_interleaved(ok, device="cuda", target_ms=target_ms,
-                                                       errors=(RuntimeError,)) if ok else ({}, {})
-            for name, (status, seconds) in first.items():
-                t = timings.get(name)
-                rows.append(dict(N=N, mask=case["name"], density=density, backend=name,
-                                 ms=t.median_ms if t else float("nan"), first_call_s=seconds,
-                                 status=status if name not in errors else f"timing: {errors[name]}"))
-            del bm, calls, ok
+    with tqdm(total=len(shapes) * len(cases), desc="flex sweep", disable=not progress) as bar:
+        for hd, N in shapes:
+            q, k, v = (torch.randn(1, H, N, hd, device="cuda", dtype=dtype) for _ in range(3))
+            for case in cases:
+                bar.set_postfix_str(f"d={hd} N={N} {case['name']}")
+                rule = case["rule"](N)
+                bm = create_block_mask(rule, None, None, N, N, device="cuda", BLOCK_SIZE=BLOCK)
+                lists = {name: getattr(bm, name)[0, 0] for name in LIST_NAMES}
+                n_blocks = bm.kv_indices.shape[-1]
+                density = float((lists["kv_num_blocks"].sum() + lists["full_kv_num_blocks"].sum()) / n_blocks ** 2)
+                calls, failed = _calls(q, k, v, lists, case, N, bm, rule, mine=mine, mine_backward=mine_backward,
+                                       also=also, passes=passes, dense_limit=dense_limit)
+                first = {key: _first_call(fn) for key, fn in calls.items()}
+                first.update({key: (status, 0.0) for key, status in failed.items()})
+                ok = {key: fn for key, fn in calls.items() if first[key][0] == "ok"}
+                timings, errors = measure.time_interleaved(ok, device="cuda", target_ms=target_ms,
+                                                           errors=(RuntimeError,)) if ok else ({}, {})
+                for (name, p), (status, seconds) in first.items():
+                    t = timings.get((name, p))
+                    rows.append(dict(d=hd, N=N, mask=case["name"], density=density, backend=name, **{"pass": p},
+                                     ms=t.median_ms if t else float("nan"), first_call_s=seconds,
+                                     status=status if (name, p) not in errors else f"timing: {errors[(name, p)]}"))
+                del bm, calls, ok, lists
+                measure.free_memory()
+                bar.update()
+            del q, k, v
             measure.free_memory()
     return pd.DataFrame(rows)
+
+
+def ratios(df: pd.DataFrame, others=("flex_triton", "flex_flash")) -> pd.DataFrame:
+    """other / mine per (d, N, mask) and pass (> 1: mine faster), from :func:`sweep`'s rows that ran."""
+    t = df[df["status"] == "ok"].pivot_table(index=["d", "N", "mask"], columns=["pass", "backend"], values="ms")
+    out = {}
+    for p in t.columns.get_level_values(0).unique():
+        for other in others:
+            if (p, other) in t and (p, "mine") in t:
+                out[f"{other} / mine {p}"] = t[(p, other)] / t[(p, "mine")]
+    return pd.DataFrame(out)
+
+
+def density_speedup(df: pd.DataFrame, dense: str, sparse: str, backend: str = "mine") -> pd.DataFrame:
+    """Per (d, N) and pass: ``backend``'s time on mask ``dense`` / on mask ``sparse``, beside their density ratio."""
+    ok = df[(df["status"] == "ok") & (df["backend"] == backend)]
+    t = ok.pivot_table(index=["d", "N"], columns=["pass", "mask"], values="ms")
+    dens = ok.drop_duplicates(["d", "N", "mask"]).pivot_table(index=["d", "N"], columns="mask", values="density")
+    out = {f"speed-up {p}": t[(p, dense)] / t[(p, sparse)] for p in t.columns.get_level_values(0).unique()
+           if (p, dense) in t and (p, sparse) in t}
+    if dense in dens and sparse in dens:
+        out["density ratio"] = dens[dense] / dens[sparse]
+    return pd.DataFrame(out)
 
 
 def block_mask_cost(rules: dict[str, Callable], N: int, *, reps: int = 5, device: str = "cuda") -> pd.DataFrame:

@@ -63,12 +63,89 @@ def test_kwargs_keeps_only_what_a_function_accepts():
     assert flexbench._kwargs(fn, window_size=(4, 0), is_causal=True) == {"window_size": (4, 0)}
 
 
+def sweep_rows(rows):
+    import pandas as pd
+
+    cols = ("d", "N", "mask", "density", "backend", "pass", "ms")
+    return pd.DataFrame([dict(zip(cols, r), status="ok", first_call_s=0.0) for r in rows])
+
+
+def test_ratios_and_density_speedup_read_the_sweep_per_pass():
+    df = sweep_rows([(128, 8192, "causal", 0.5, "mine", "fwd", 1.0), (128, 8192, "causal", 0.5, "flex_triton", "fwd", 0.9),
+                     (128, 8192, "causal", 0.5, "mine", "fwd+bwd", 4.0),
+                     (128, 8192, "causal", 0.5, "flex_triton", "fwd+bwd", 6.0),
+                     (128, 8192, "docs", 0.05, "mine", "fwd", 0.1), (128, 8192, "docs", 0.05, "mine", "fwd+bwd", 0.8)])
+    r = flexbench.ratios(df)
+    assert r.loc[(128, 8192, "causal"), "flex_triton / mine fwd"] == pytest.approx(0.9)
+    assert r.loc[(128, 8192, "causal"), "flex_triton / mine fwd+bwd"] == pytest.approx(1.5)
+    s = flexbench.density_speedup(df, "causal", "docs")
+    assert s.loc[(128, 8192)].to_dict() == pytest.approx({"speed-up fwd": 10.0, "speed-up fwd+bwd": 5.0,
+                                                          "density ratio": 10.0})
+
+
+def test_calls_time_both_passes_and_refused_backends_become_a_status():
+    """On a CPU: every backend gets a fwd and a fwd+bwd call; SDPA's fwd+bwd gives autograd's gradients."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    torch.manual_seed(0)
+    N = 32
+    q, k, v = (torch.randn(1, 2, N, 8, dtype=torch.float64) for _ in range(3))
+    bm = create_block_mask(causal, None, None, N, N, device="cpu", BLOCK_SIZE=16)
+    lists = {name: getattr(bm, name)[0, 0] for name in flexbench.LIST_NAMES}
+    seen = []
+
+    def mine(q, k, v, lists, block, case, N):
+        seen.append(sorted(lists))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o, torch.zeros(q.shape[:-1])
+
+    def mine_backward(q, k, v, o, lse, do, lists, block, case, N):
+        return q, k, v
+
+    calls, failed = flexbench._calls(q, k, v, lists, dict(name="causal", kind="causal"), N, bm, causal, mine=mine,
+                                     mine_backward=mine_backward, also=None, passes=flexbench.PASSES, dense_limit=N)
+    built = set(calls) | set(failed)
+    for name in ("mine", "flex_triton", "flex_flash", "sdpa_mask", "fa4"):
+        assert {(name, "fwd"), (name, "fwd+bwd")} <= built, name
+    calls[("mine", "fwd+bwd")]()
+    assert seen[-1] == sorted(flexbench.LIST_NAMES)   # the backward's transposed lists are passed too
+    torch.manual_seed(1)
+    got = calls[("sdpa_mask", "fwd+bwd")]()                  # dO drawn at the first call
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+    torch.manual_seed(1)
+    o.backward(torch.randn_like(o))
+    for g, want in zip(got, (qg.grad, kg.grad, vg.grad)):
+        torch.testing.assert_close(g, want)
+    if not torch.cuda.is_available():
+        assert all(status for status in failed.values())
+
+
+@pytest.mark.parametrize("params, want", [({"window_size": (-1, -1)}, {"window_size": (-1, 0)}),
+                                          ({"is_causal": False}, {"is_causal": True})])
+def test_varlen_attend_reads_the_causal_keyword_off_the_installed_signature(monkeypatch, params, want):
+    import torch.nn.attention.varlen as varlen
+
+    got = {}
+    name, default = next(iter(params.items()))
+    exec(f"def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, {name}={default!r}):\n"
+         f"    got.update({name}={name}, max=max_q)\n    return q", {"got": got}, scope := {})
+    monkeypatch.setattr(varlen, "varlen_attn", scope["fake"])
+    q = torch.randn(6, 2, 4)
+    assert flexbench.varlen_attend(q, q, q, torch.tensor([0, 2, 6], dtype=torch.int32), 4) is q
+    assert got == {**want, "max": 4}
+
+
 @pytest.mark.gpu
 def test_sweep_times_every_backend_or_says_why_not():
     def mine(q, k, v, lists, block, case, N):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return o, torch.zeros(q.shape[:-1], device=q.device)
+
+    def mine_backward(q, k, v, o, lse, do, lists, block, case, N):
+        return q, k, v
 
     cases = [dict(name="causal", kind="causal", rule=lambda N: causal)]
-    df = flexbench.sweep(cases, [1024], mine=mine, H=2, d=64, target_ms=2)
-    assert {"mine", "flex_triton", "sdpa_mask"} <= set(df["backend"])
+    df = flexbench.sweep(cases, {64: [1024]}, mine=mine, mine_backward=mine_backward, H=2, target_ms=2)
+    assert {"mine", "flex_triton", "sdpa_mask"} <= set(df["backend"]) and set(df["pass"]) == set(flexbench.PASSES)
     assert (df.loc[df["backend"] == "mine", "status"] == "ok").all()
