@@ -27,13 +27,14 @@ CELLS = list(gpu_only_cells())
 # Notebooks whose reference GPU run is not stored yet: the device time of the session that made the
 # others ran out (06, 07) or the notebook is newer than the run (08). Strict: storing one fails this
 # list until the entry is removed. Their GPU-only cells print a one-line notice meanwhile.
-NOT_YET_RUN: set[str] = set()  # notebooks whose GPU-only cells have no stored reference run yet
+# An entry is a slug (all its GPU-only cells) or "slug:cell-id" (one cell newer than the notebook's stored run).
+NOT_YET_RUN: set[str] = {"09_flex_attention:cell-033g"}   # GPU-only cells with no stored reference run yet
 
 
 def _params():
     for slug, cell in CELLS:
         marks = [pytest.mark.xfail(strict=True, reason=f"{slug}: no reference run stored yet (make reference)")
-                 ] if slug in NOT_YET_RUN else []
+                 ] if slug in NOT_YET_RUN or f"{slug}:{cell.id}" in NOT_YET_RUN else []
         yield pytest.param(slug, cell, id=f"{slug}:{cell.id}", marks=marks)
 
 
