@@ -46,6 +46,8 @@ def _packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         raise RuntimeError(f"a model with attention {ATTN_NAME!r} runs inside `with lk.packtrain.attending(attend):`")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
+    if dropout:
+        raise ValueError("the packed attentions take no dropout: build the model with dropout=0")
     if scaling is not None and abs(scaling * query.shape[-1] ** 0.5 - 1) > 1e-6:
         raise ValueError(f"the packed attentions use the scale 1/sqrt(D); this model asks for {scaling}")
     return _ACTIVE[-1](query, key, value).transpose(1, 2), None
@@ -96,10 +98,14 @@ def next_token_targets(docs: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.cat([d[1:], torch.tensor([IGNORE])]) for d in docs])
 
 
-def packed_batch(docs: list[torch.Tensor], pack: Callable, device) -> dict:
-    """``pack(docs)`` (the notebook's exercise 8) on ``device`` plus the model's inputs and targets ([1, T])."""
+def packed_batch(docs: list[torch.Tensor], pack: Callable, device, max_len: int | None = None) -> dict:
+    """``pack(docs)`` (the notebook's exercise 8) on ``device`` plus the model's inputs and targets ([1, T]).
+
+    ``max_len``: the bound on a document's length that varlen kernels get (default: this batch's longest); a
+    fixed bound (the model's positions) keeps a kernel compiled per bound from compiling again every batch.
+    """
     packed = {name: t.to(device) for name, t in pack(docs).items()}
-    packed["max_len"] = max(len(d) for d in docs)
+    packed["max_len"] = max_len or max(len(d) for d in docs)
     packed["input_ids"] = packed["tokens"].view(1, -1)
     packed["targets"] = next_token_targets(docs).to(device).view(1, -1)
     return packed
@@ -167,7 +173,7 @@ def _run(name: str, prepare, batches, *, pack, size, max_len, steps, warmup, dev
             _sync(device)
             start = time.perf_counter()
         docs = batches[step % len(batches)]
-        batch = padded_batch(docs, device) if prepare is None else packed_batch(docs, pack, device)
+        batch = padded_batch(docs, device) if prepare is None else packed_batch(docs, pack, device, max_len)
         context = contextlib.nullcontext() if prepare is None else attending(prepare(batch))
         with context, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             loss, n = summed_loss(model, batch)
