@@ -150,12 +150,13 @@ def _train(inputs: tuple, fn: Callable) -> Callable:
     return step
 
 
-def _first_call(fn: Callable) -> tuple[str, float]:
+def _first_call(fn: Callable, device: str) -> tuple[str, float]:
     """Run ``fn`` once (compiles, autotunes): ("ok" or the error in one line, seconds)."""
     start = time.perf_counter()
     try:
         fn()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         return "ok", time.perf_counter() - start
     except Exception as err:  # noqa: BLE001 - one backend's failure is a row's status, not the sweep's end
         measure.free_memory()
@@ -189,7 +190,7 @@ def _calls(q, k, v, lists, case, N, bm, rule, *, mine, mine_backward, also, pass
 def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine: Callable,
           mine_backward: Callable | None = None, H: int = 16, d: int = 128, dtype=torch.bfloat16,
           target_ms: float = 30.0, dense_limit: int = 16384, also: dict[str, Callable] | None = None,
-          progress: bool = True) -> pd.DataFrame:
+          progress: bool = True, device: str = "cuda") -> pd.DataFrame:
     """Forward (and forward+backward) per backend, head size, N and mask: a tidy DataFrame
     (d, N, mask, density, backend, pass, ms, first_call_s, status).
 
@@ -203,6 +204,7 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
             backend is timed in the pass "fwd+bwd" too (the others through autograd).
         dense_limit: the longest N given to SDPA with a dense boolean mask (N x N bytes).
         also: more of the notebook's forward variants, name -> a function called as ``mine`` is (e.g. a sink).
+        device: "cuda"; "cpu" only to test the sweep itself (FlexAttention has no backward there).
     """
     from torch.nn.attention.flex_attention import create_block_mask
     from tqdm.auto import tqdm
@@ -213,20 +215,20 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
     rows = []
     with tqdm(total=len(shapes) * len(cases), desc="flex sweep", disable=not progress) as bar:
         for hd, N in shapes:
-            q, k, v = (torch.randn(1, H, N, hd, device="cuda", dtype=dtype) for _ in range(3))
+            q, k, v = (torch.randn(1, H, N, hd, device=device, dtype=dtype) for _ in range(3))
             for case in cases:
                 bar.set_postfix_str(f"d={hd} N={N} {case['name']}")
                 rule = case["rule"](N)
-                bm = create_block_mask(rule, None, None, N, N, device="cuda", BLOCK_SIZE=BLOCK)
+                bm = create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK)
                 lists = {name: getattr(bm, name)[0, 0] for name in LIST_NAMES}
                 n_blocks = bm.kv_indices.shape[-1]
                 density = float((lists["kv_num_blocks"].sum() + lists["full_kv_num_blocks"].sum()) / n_blocks ** 2)
                 calls, failed = _calls(q, k, v, lists, case, N, bm, rule, mine=mine, mine_backward=mine_backward,
                                        also=also, passes=passes, dense_limit=dense_limit)
-                first = {key: _first_call(fn) for key, fn in calls.items()}
+                first = {key: _first_call(fn, device) for key, fn in calls.items()}
                 first.update({key: (status, 0.0) for key, status in failed.items()})
                 ok = {key: fn for key, fn in calls.items() if first[key][0] == "ok"}
-                timings, errors = measure.time_interleaved(ok, device="cuda", target_ms=target_ms,
+                timings, errors = measure.time_interleaved(ok, device=device, target_ms=target_ms,
                                                            errors=(RuntimeError,)) if ok else ({}, {})
                 for (name, p), (status, seconds) in first.items():
                     t = timings.get((name, p))

@@ -136,6 +136,30 @@ def test_varlen_attend_reads_the_causal_keyword_off_the_installed_signature(monk
     assert got == {**want, "max": 4}
 
 
+def test_sweep_on_a_cpu_gives_a_row_per_backend_and_pass_with_a_status(monkeypatch):
+    """The sweep end to end at a toy size (flex eager: torch.compile would take ~20 s on a CPU)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+    def mine(q, k, v, lists, block, case, N):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), torch.zeros(q.shape[:-1])
+
+    def mine_backward(q, k, v, o, lse, do, lists, block, case, N):
+        return q, k, v
+
+    cases = [dict(name="causal", kind="causal", rule=lambda N: causal),
+             dict(name="2 documents", kind="document", document_id=lambda N: torch.arange(N) * 2 // N,
+                  rule=lambda N: lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & ((q_idx * 2 // N) == (kv_idx * 2 // N)))]
+    df = flexbench.sweep(cases, {16: [256]}, mine=mine, mine_backward=mine_backward, H=2, dtype=torch.float32,
+                         target_ms=1, dense_limit=256, progress=False, device="cpu")   # two blocks of 128
+    assert set(df["pass"]) == set(flexbench.PASSES) and set(df["mask"]) == {"causal", "2 documents"}
+    ok = df[df["status"] == "ok"]
+    assert {("mine", "fwd"), ("mine", "fwd+bwd"), ("sdpa_mask", "fwd+bwd"), ("flex_triton", "fwd")} <= set(
+        zip(ok["backend"], ok["pass"])) and (ok["ms"] > 0).all()
+    flex_bwd = df[(df["backend"] == "flex_triton") & (df["pass"] == "fwd+bwd")]["status"]
+    assert flex_bwd.str.contains("backward on CPU").all()   # a backend's failure is its row's status
+    assert df.groupby("mask")["density"].first()["2 documents"] < df.groupby("mask")["density"].first()["causal"]
+
+
 @pytest.mark.gpu
 def test_sweep_times_every_backend_or_says_why_not():
     def mine(q, k, v, lists, block, case, N):
