@@ -219,7 +219,15 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
             for case in cases:
                 bar.set_postfix_str(f"d={hd} N={N} {case['name']}")
                 rule = case["rule"](N)
-                bm = create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK)
+                try:   # eager: the whole [N, N] mask is built (int64 intermediates for a window: 8 N^2 bytes)
+                    bm = create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK)
+                except Exception as err:  # noqa: BLE001 - out of memory at this N: a status, the sweep goes on
+                    rows += [dict(d=hd, N=N, mask=case["name"], density=float("nan"), backend="create_block_mask",
+                                  **{"pass": p}, ms=float("nan"), first_call_s=0.0, status=status_of(err))
+                             for p in passes]
+                    measure.free_memory()
+                    bar.update()
+                    continue
                 lists = {name: getattr(bm, name)[0, 0] for name in LIST_NAMES}
                 n_blocks = bm.kv_indices.shape[-1]
                 density = float((lists["kv_num_blocks"].sum() + lists["full_kv_num_blocks"].sum()) / n_blocks ** 2)

@@ -160,6 +160,15 @@ def test_sweep_on_a_cpu_gives_a_row_per_backend_and_pass_with_a_status(monkeypat
     assert df.groupby("mask")["density"].first()["2 documents"] < df.groupby("mask")["density"].first()["causal"]
 
 
+def test_sweep_notes_a_block_mask_that_could_not_be_built_and_goes_on():
+    def too_big(b, h, q_idx, kv_idx):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    cases = [dict(name="huge", kind="causal", rule=lambda N: too_big)]
+    df = flexbench.sweep(cases, {16: [256]}, mine=None, H=1, progress=False, device="cpu")
+    assert df["backend"].tolist() == ["create_block_mask"] and df["status"].str.contains("OutOfMemoryError").all()
+
+
 @pytest.mark.gpu
 def test_sweep_times_every_backend_or_says_why_not():
     def mine(q, k, v, lists, block, case, N):
