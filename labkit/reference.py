@@ -40,6 +40,8 @@ def _run_facts() -> dict:
         except metadata.PackageNotFoundError:
             pass
     device = f"{info.name} (sm{info.sm}, {info.memory_gib:.0f} GiB)" if info.device == "cuda" else f"CPU ({info.name})"
+    if info.device == "cuda" and torch.cuda.device_count() > 1:   # what a multi-GPU notebook (07) ran on
+        device = f"{torch.cuda.device_count()}x {device}"
     return {"device": device, "date": datetime.date.today().isoformat(), "versions": versions}
 
 
