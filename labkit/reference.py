@@ -114,6 +114,8 @@ def show(notebook: str, cell_id: str) -> None:
         print(f"（這個儲存格還沒有收錄課程參考執行的結果（{notebook} / {cell_id}）：這一格的數字要在 CUDA GPU 上執行才看得到。）")
         return
     print(heading(run))
+    if cell_id in run.get("notes", {}):   # the cell changed after this run: what the run does not show
+        print(f"⚠️ {run['notes'][cell_id]}")
     for output in outputs:
         if "text" in output:
             print(output["text"], end="" if output["text"].endswith("\n") else "\n")

@@ -96,3 +96,22 @@ def test_show_labels_the_run_and_prints_what_the_cell_printed(tmp_path, monkeypa
     assert "課程參考執行" in out and "H100" in out and "2026-11-25" in out and "N=1024: 1.5 ms" in out
     reference.show("99_x", "cell-missing")
     assert "還沒有收錄課程參考執行的結果" in capsys.readouterr().out
+
+
+def test_show_prints_the_note_of_a_cell_changed_after_its_run(tmp_path, monkeypatch, capsys):
+    nb, gpu_id = executed_notebook()
+    run = {"notebook": "99_x", "device": "NVIDIA H200 (sm90, 140 GiB)", "date": "2026-11-27",
+           "versions": {"torch": "2.11.0"}, "cells": reference.gpu_only_outputs(nb),
+           "notes": {gpu_id: "this run timed the forward only"}}
+    (tmp_path / "99_x.json").write_text(json.dumps(run))
+    monkeypatch.setattr(reference, "STORE", tmp_path)
+    reference.show("99_x", gpu_id)
+    out = capsys.readouterr().out
+    assert out.index("課程參考執行") < out.index("this run timed the forward only") < out.index("N=1024: 1.5 ms")
+
+
+def test_notes_of_stored_runs_name_cells_the_run_kept():
+    for path in reference.STORE.glob("*.json"):
+        run = json.loads(path.read_text(encoding="utf-8"))
+        for cell_id in run.get("notes", {}):
+            assert cell_id in run.get("cells", {}), f"{path.name}: a note for {cell_id}, which the run did not keep"
