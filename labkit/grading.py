@@ -36,6 +36,9 @@ def check_tensor(actual, expected: torch.Tensor, *, name: str, atol: float, rtol
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
     if (~torch.isfinite(a) & torch.isfinite(e)).any():  # NaN/Inf where a finite value is expected
         _fail(name, "結果含有 NaN 或 Inf。", hint or "減去每列最大值再取 exp，避免溢位。")
+    if (torch.isnan(a) & ~torch.isnan(e)).any():  # NaN where +-inf is expected (NaN > atol is False)
+        _fail(name, f"結果在應為 ±inf 的位置有 {int((torch.isnan(a) & ~torch.isnan(e)).sum())} 個 NaN。",
+              hint or "-inf - (-inf) = NaN：一個值都沒有的列，最大值改用 0。")
     both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
     err = torch.where(both_inf, torch.zeros_like(a), (a - e).abs())
     allowed = atol + rtol * e.abs().nan_to_num(posinf=0.0, neginf=0.0)
@@ -55,6 +58,16 @@ def check_scalar(actual, expected: float, *, name: str, rel: float = 1e-6, abs_t
         _fail(name, f"應回傳一個數字，卻得到 {type(actual).__name__}。", hint)
     if not math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_tol):
         _fail(name, f"應為 {expected:.6g}，卻得到 {float(actual):.6g}。", hint)
+
+
+def fill_freed_memory(*like: torch.Tensor, copies: int = 4) -> None:
+    """Fill and free buffers of ``like``'s sizes with NaN, so that an output an answer takes from
+    ``torch.empty`` and leaves partly unwritten reads NaN there, not a stale copy of right values.
+
+    Used in: 09_flex_attention (a launch grid that misses blocks leaves rows unwritten).
+    """
+    junk = [torch.full_like(t, float("nan")) for t in like for _ in range(copies)]
+    del junk
 
 
 def check_within_2x(actual, reference: torch.Tensor, baseline: torch.Tensor, *, name: str, rule: str,

@@ -55,6 +55,16 @@ def test_check_tensor_wrong_values():
     fails(G.check_tensor, e + 0.011, e, name="ex2", atol=1e-2)  # just outside atol
 
 
+def test_check_tensor_nan_where_inf_expected():
+    e = torch.tensor([0.5, float("-inf")])
+    msg = fails(G.check_tensor, torch.tensor([0.5, float("nan")]), e, name="lse", atol=1e-3)
+    assert "NaN" in msg and "-inf" in msg
+
+
+def test_fill_freed_memory_runs():
+    G.fill_freed_memory(torch.ones(3, 5), torch.ones(7, dtype=torch.float16))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_check_tensor_nan(bad):
     e = torch.ones(4)

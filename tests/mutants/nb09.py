@@ -24,7 +24,7 @@ RULES = {
         "prefix_lm(p): keys 0..p-1 seen by all, causal after (no off-by-one)",
     ],
     "ex3_score_mods": [
-        "alibi_slopes(8) = 1/2 ... 1/256 as an fp32 tensor",
+        "alibi_slopes(8) = 1/2 ... 1/256 as an fp32 tensor; alibi_slopes(4) and (16) by the formula (not H = 8's table)",
         "ALiBi bias slopes[h] * (kv_idx - q_idx) on a grid of 2 batches x 8 heads (per head, sign)",
         "softcap: cap * tanh(score / cap) at small and large scores (not a clamp, not tanh(score))",
         "both run inside flex_attention with causal (finite)",
@@ -33,18 +33,20 @@ RULES = {
         "own code: no create_block_mask / labkit",
         "the eight lists (shapes, counts, the first `count` indices per row, ascending) match create_block_mask's "
         "for causal N = 64 and N = 72, a window, a packed document mask with N = 100, causal N_q = 40 != N_k = 72",
+        "block 8 with N = 44 (the block argument, not 16): counts, then the lists as above",
         "padding past N is masked: a tail block is never full",
         "partial and full blocks disjoint; the q_* lists are the table transposed",
     ],
     "ex5_sparse_kernel": [
         "own code: no flex_attention / SDPA; launches _sparse_fwd_kernel",
         "fp32 vs a float64 dense reference (block 16, create_block_mask's lists): causal N = 64, a tail block "
-        "(N = 72), window w = 20, a packed document mask (N = 100, ids loaded per block), causal N_q = 40 != N_k = 72",
+        "(N = 72), window w = 20, a packed document mask (N = 100, ids loaded per block), causal N_q = 40 != N_k = 72; "
+        "head size 32 != block 16 (HEAD_DIM and scale from the input); outputs a kernel never writes read NaN",
         "full blocks skip the mask, partial blocks apply it (lists forged: every block full / every block partial)",
         "only the listed blocks read: interpreter's loaded elements between the K/V of the listed blocks and that "
         "plus q, ids and list entries (window 16, N = 128)",
         "the sink: vs the reference with one more column (value 0); the identity o_sink = o * sigmoid(lse - sink); "
-        "rows that see no key: o = 0 and lse = sink (with) or -inf (without), no NaN",
+        "rows that see no key: o = 0 and lse = sink (with) or -inf (without), no NaN; B = 2: sink[bh % H] per head",
         "bf16 and fp16 in -> o in that dtype, lse fp32; o by the 2x rule at N = 128 (8 key blocks)",
         "fp32 inputs launch with PREC=\"ieee\" (launch recorded)",
         "fp32 statistics in the Triton IR of a bf16 launch",
@@ -59,7 +61,9 @@ RULES = {
     "ex7_sparse_backward": [
         "own code: no autograd; launches _sparse_bwd_dkdv_kernel and _sparse_bwd_dq_kernel",
         "dV, dK, dQ vs float64 autograd through dense attention with the same table (block 16, create_block_mask's "
-        "lists): causal N = 64, a tail block (N = 72), window 20, documents N = 100, causal N_q = 40 != N_k = 72, a sink",
+        "lists): causal N = 64, a tail block (N = 72), window 20, documents N = 100, causal N_q = 40 != N_k = 72, "
+        "B = 2 with head size 32 != block 16, a sink; outputs a kernel never writes read NaN",
+        "64-bit head offsets in both kernels: launched by hand with the head's program id past 2^23 (no int32 overflow)",
         "dK/dV read the transposed (q_*) lists, dQ the kv lists; partial blocks masked (P = 0), full blocks not",
         "both kernels read only listed blocks (interpreter's loaded elements, window 16, N = 128)",
         "fp32 inputs launch both kernels with PREC=\"ieee\" (launch recorded)",
@@ -97,6 +101,10 @@ MISTAKES = {
         ("scale ignored", "scale = 1.0 / math.sqrt(d) if scale is None else scale", "scale = 1.0 / math.sqrt(d)"),
         ("rules called for head 0 only", "h = torch.arange(H, device=q.device).view(1, H, 1, 1)",
          "h = torch.zeros(1, 1, 1, 1, dtype=torch.long)"),
+        ("empty rows: NaN lse, o cleaned with nan_to_num",
+         "    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)              # a row that sees no key: shift by 0\n",
+         "    p = torch.exp(s - m)\n    o = torch.nan_to_num((p @ v.to(work)) / p.sum(dim=-1, keepdim=True))\n"
+         "    return o.to(q.dtype), (m + torch.log(p.sum(dim=-1, keepdim=True))).squeeze(-1)\n"),
     ],
     "ex2_mask_mods": [
         ("window off by one (w keys)", "(q_idx - kv_idx <= window)", "(q_idx - kv_idx < window)"),
@@ -119,6 +127,7 @@ MISTAKES = {
         ("softcap as a clamp", "cap * torch.tanh(score / cap)", "score.clamp(-cap, cap)"),
         ("slopes as a list", "return torch.tensor([2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)], "
          "dtype=torch.float32)", "return [2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads)]"),
+        ("slopes written for 8 heads (1/2^(h+1))", "(-8.0 * (h + 1) / n_heads)", "(-(h + 1.0))"),
     ],
     "ex4_block_lists": [
         ("floor division drops the tail block", "n_q, n_k = -(-Nq // block), -(-Nk // block)",
@@ -132,6 +141,8 @@ MISTAKES = {
          'out["q_num_blocks"], out["q_indices"] = as_lists(partial)'),
         ("indices in descending order", "torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)",
          "torch.flip(torch.argsort((~chosen).to(torch.int8), dim=1, stable=True), dims=(1,))"),
+        ("block fixed at 16", "    n_q, n_k = -(-Nq // block), -(-Nk // block)",
+         "    block = 16\n    n_q, n_k = -(-Nq // block), -(-Nk // block)"),
     ],
     "ex5_sparse_kernel": [
         ("every key block read (listed or not), masked",
@@ -160,6 +171,9 @@ MISTAKES = {
         ("32-bit head offsets", "bh = tl.program_id(1).to(tl.int64)", "bh = tl.program_id(1)"),
         ("tf32 for fp32 inputs", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"', 'PREC="tf32"'),
         ("key offsets from the query block's row count", "kv_idx.shape[-1],", "triton.cdiv(Nq, block),"),
+        ("sink by program id (bh, not bh % H)", "tl.load(sink_ptr + bh % H)", "tl.load(sink_ptr + bh)"),
+        ("head size fixed at 16", "HEAD_DIM=d, MASK=MASKS[mask], HAS_SINK", "HEAD_DIM=16, MASK=MASKS[mask], HAS_SINK"),
+        ("scale fixed at 1/4 (d = 16)", "d ** -0.5 * LOG2E, Nq, Nk, H", "0.25 * LOG2E, Nq, Nk, H"),
     ],
     "ex6_sink_grad": [
         ("sign flipped", "return -(p_sink * D).sum(dim=(0, 2))", "return (p_sink * D).sum(dim=(0, 2))"),
@@ -194,6 +208,15 @@ MISTAKES = {
          "                start_n = tl.load(full_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n            else:\n"
          "                start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n",
          "        for j in range(0, tl.cdiv(N_K, BLOCK_N) * part):\n            start_n = j * BLOCK_N\n"),
+        ("32-bit head offsets (dK/dV kernel)", "    kb = tl.program_id(0)\n    bh = tl.program_id(1).to(tl.int64)\n",
+         "    kb = tl.program_id(0)\n    bh = tl.program_id(1)\n"),
+        ("32-bit head offsets (dQ kernel)", "    qb = tl.program_id(0)\n    bh = tl.program_id(1).to(tl.int64)\n",
+         "    qb = tl.program_id(0)\n    bh = tl.program_id(1)\n"),
+        ("head size fixed at 16 (backward)", "common = dict(HEAD_DIM=d,", "common = dict(HEAD_DIM=16,"),
+        ("scale fixed at 1/4 (backward)", "d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), q_idx.shape[-1]",
+         "0.25 * LOG2E, 0.25, Nq, Nk, int(window), q_idx.shape[-1]"),
+        ("dK/dV grid over query blocks", "_sparse_bwd_dkdv_kernel[(triton.cdiv(Nk, block), B * H)]",
+         "_sparse_bwd_dkdv_kernel[(triton.cdiv(Nq, block), B * H)]"),
     ],
     "ex8_packing": [
         ("cu_seqlens without the leading 0", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[1:],'),
@@ -221,11 +244,11 @@ FITTED = {
         ("window fixed at 3 for w > 0", "(q_idx - kv_idx <= window)", "(q_idx - kv_idx <= min(window, 3))"),
     ],
     "ex3_score_mods": [
-        ("slopes written for 8 heads", "(-8.0 * (h + 1) / n_heads)", "(-(h + 1.0))"),
+        ("softcap written for cap 30", "cap * torch.tanh(score / cap)", "30.0 * torch.tanh(score / 30.0)"),
     ],
     "ex4_block_lists": [
-        ("block fixed at 16", "    n_q, n_k = -(-Nq // block), -(-Nk // block)",
-         "    block = 16\n    n_q, n_k = -(-Nq // block), -(-Nk // block)"),
+        ("full blocks only below the diagonal (written for causal masks)", "partial = seen & ~full",
+         "full = full & torch.ones(n_q, n_k, dtype=torch.bool).tril(-1)\n    partial = seen & ~full"),
     ],
     "ex5_sparse_kernel": [
         ("window rule written for w >= 4", "(offs_m[:, None] - offs_n[None, :] <= WINDOW)",
