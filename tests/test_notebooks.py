@@ -89,3 +89,11 @@ def test_autograde_round_trip(tmp_path, assignment):
     graded = course / "autograded" / "perfect" / assignment / f"{assignment}.ipynb"
     errors = [o for c in load(graded)["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors, f"perfect submission raised: {errors[0]['ename']}: {errors[0]['evalue']}"
+    blank = load(course / "autograded" / "blank" / assignment / f"{assignment}.ipynb")
+    crashed = [c for c in blank["cells"] if c["cell_type"] == "code" and not c["metadata"].get("nbgrader", {}).get("grade")
+               and not c["metadata"].get("nbgrader", {}).get("solution")
+               and any(o["output_type"] == "error" for o in c.get("outputs", []))]
+    assert not crashed, (
+        f"blank {assignment}: a cell that is neither an answer nor a test raised "
+        f"({crashed[0].get('id')}: {next(o for o in crashed[0]['outputs'] if o['output_type'] == 'error')['ename']}); "
+        "a cell that needs an unfinished exercise says which one to finish (lk.grading.answered) instead of a traceback")
