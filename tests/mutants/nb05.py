@@ -13,6 +13,8 @@ RULES = {
         "2x rule with bf16 and fp16 values into an fp32 accumulator (vs torch.sum in that dtype)",
         "Kahan keeps fp16 close to the exact sum",
         "values cast to acc_dtype, then summed left to right",
+        "each value cast to acc_dtype before it is added (float32 values fp16 cannot hold; plain and Kahan)",
+        "Kahan with s and c in acc_dtype at every step (the exact fp16 result on mixed signs and sizes)",
     ],
     "ex2_error_report": [
         "dict of four Python floats",
@@ -24,21 +26,24 @@ RULES = {
         "float64 inputs keep differences below fp32 resolution",
         "ValueError on an all-zero reference",
         "no element-wise division (reference containing 0)",
+        "a tiny but nonzero reference (float64, 1e-20) is not refused",
+        "the inputs are not modified (float64 inputs, where .double() does not copy)",
     ],
     "ex3_layernorm": [
         "no ready-made normalisation: layer/instance/group/batch/rms norm (F.*, torch.*, nn.* modules, also imported inside the answer)",
         "output in x.dtype (fp16, bf16, fp32; bf16 x with fp32 weight and bias)",
         "normalizes the last dim, applies weight and bias",
         "fp32 two-pass statistics: large mean, small spread in fp16 and bf16",
-        "2x rule (bf16, fp16): statistics and affine in fp32, one rounding at the end (large weight, cancelling bias)",
-        "eps inside the square root (variance near eps)",
+        "2x rule (bf16, fp16; two shapes): statistics and affine in fp32, one rounding at the end (large weight, cancelling bias)",
+        "eps inside the square root (variance near eps), and the caller's eps used",
+        "the inputs are not modified (float32 x, where x.float() does not copy)",
     ],
     "ex4_policy": [
         "every op during bf16 training (fp32 master weights, optimizer state, residual stream; amp_dtype for linear and flash)",
         "the same rules under fp16 AMP; without AMP (fp32) every op in fp32",
-        "softmax / layernorm_stats / loss stay fp32 at inference",
+        "softmax / layernorm_stats / loss stay fp32 at inference; linear and flash_attention stay amp_dtype",
         "weights and residual_stream at inference: fp32 or amp_dtype both accepted",
-        "ValueError (with a message) for flash_attention with fp32",
+        "ValueError (with a message) for flash_attention with fp32, at inference too",
         "ValueError for an unknown op",
     ],
 }
@@ -62,6 +67,34 @@ MISTAKES = {
          "    s = torch.zeros((), dtype=values.dtype)\n    c = torch.zeros((), dtype=acc_dtype)\n"
          "    for v in values.to(acc_dtype):\n        if compensated:\n            y = v - c\n            t = s + y\n"
          "            c = (t - s) - y\n            s = t\n        else:\n            s += v"),
+        ("values not cast: each sum taken in float32, then rounded to acc_dtype",
+         "    for v in values.to(acc_dtype):\n        if compensated:\n            y = v - c\n            t = s + y\n"
+         "            c = (t - s) - y\n            s = t\n        else:\n            s = s + v",
+         "    for v in values:\n        if compensated:\n            y = (v - c).to(acc_dtype)\n            t = s + y\n"
+         "            c = (t - s) - y\n            s = t\n        else:\n            s = (s + v).to(acc_dtype)"),
+        ("Kahan branch without the cast to acc_dtype",
+         "    for v in values.to(acc_dtype):\n        if compensated:\n            y = v - c\n",
+         "    for v in values:\n        if compensated:\n            y = v - c\n"),
+        ("Kahan compensation kept in fp32 (t rounded back to acc_dtype)",
+         "    c = torch.zeros((), dtype=acc_dtype)\n    for v in values.to(acc_dtype):\n        if compensated:\n"
+         "            y = v - c\n            t = s + y\n",
+         "    c = torch.zeros((), dtype=torch.float32)\n    for v in values.to(acc_dtype):\n        if compensated:\n"
+         "            y = v.float() - c\n            t = (s + y).to(acc_dtype)\n"),
+        ("Kahan replaced by a float64 sum rounded at the end",
+         "    for v in values.to(acc_dtype):\n"
+         "        if compensated:\n"
+         "            y = v - c\n"
+         "            t = s + y\n"
+         "            c = (t - s) - y\n"
+         "            s = t\n"
+         "        else:\n"
+         "            s = s + v\n"
+         "    return s",
+         "    wide = torch.zeros((), dtype=torch.float64)\n"
+         "    for v in values.to(acc_dtype):\n"
+         "        wide = wide + v\n"
+         "        s = s + v\n"
+         "    return wide.to(acc_dtype) if compensated else s"),
     ],
     "ex2_error_report": [
         ("norms in the input dtype", "c = candidate.detach().double().flatten()", "c = candidate.detach().flatten()"),
@@ -81,6 +114,15 @@ MISTAKES = {
         ("cosine per row, averaged", "(c @ r / (c.norm() * r_norm)).item()",
          "F.cosine_similarity(candidate.detach().double().reshape(-1, candidate.shape[-1]),\n"
          "                                              reference.detach().double().reshape(-1, reference.shape[-1]), dim=-1).mean().item()"),
+        ("zero test by torch.allclose (atol 1e-8)", "if r_norm == 0:", "if torch.allclose(r, torch.zeros_like(r)):"),
+        ("zero test by a threshold on the norm", "if r_norm == 0:", "if r_norm < 1e-12:"),
+        ("near-zero reference refused", "if r_norm == 0:", "if r.abs().max() < 1e-3:"),
+        ("in-place difference (changes a float64 candidate)",
+         '    d = c - r\n    return {"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(),\n'
+         '            "rel_l2": (d.norm() / r_norm).item(), "cosine": (c @ r / (c.norm() * r_norm)).item()}',
+         '    cosine = (c @ r / (c.norm() * r_norm)).item()\n    d = c.sub_(r)\n'
+         '    return {"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(),\n'
+         '            "rel_l2": (d.norm() / r_norm).item(), "cosine": cosine}'),
         ("tensors instead of floats",
          '{"max_abs": d.abs().max().item(), "mean_abs": d.abs().mean().item(),\n'
          '            "rel_l2": (d.norm() / r_norm).item(), "cosine": (c @ r / (c.norm() * r_norm)).item()}',
@@ -113,6 +155,13 @@ MISTAKES = {
          "y = y * weight.float() + bias.float()\n    return y.to(x.dtype)", "return y.to(x.dtype) * weight + bias"),
         ("y rounded to x.dtype before an fp32 affine",
          "y = y * weight.float() + bias.float()", "y = y.to(x.dtype).float() * weight.float() + bias.float()"),
+        ("bias added in half after an fp32 multiply",
+         "y = y * weight.float() + bias.float()\n    return y.to(x.dtype)", "return (y * weight.float()).to(x.dtype) + bias"),
+        ("variance rounded to x.dtype", "torch.sqrt(var + eps)", "torch.sqrt(var.to(x.dtype) + eps).float()"),
+        ("eps hard-coded to the default", "torch.sqrt(var + eps)", "torch.sqrt(var + 1e-5)"),
+        ("in-place centring (changes a float32 x)",
+         "var = ((x32 - mean) ** 2).mean(dim=-1, keepdim=True)\n    y = (x32 - mean) / torch.sqrt(var + eps)",
+         "x32 -= mean\n    var = (x32 ** 2).mean(dim=-1, keepdim=True)\n    y = x32 / torch.sqrt(var + eps)"),
         ("unbiased variance (torch.var's default)",
          "var = ((x32 - mean) ** 2).mean(dim=-1, keepdim=True)", "var = x32.var(dim=-1, keepdim=True)"),
         ("F.instance_norm on fp32 (one channel per row)", "y = (x32 - mean) / torch.sqrt(var + eps)",
@@ -161,6 +210,13 @@ MISTAKES = {
          "return torch.bfloat16 if amp_dtype == torch.float32 else amp_dtype  # tensor cores"),
         ("fp16 residual stream while training", 'if op == "linear":',
          'if op == "linear" or (op == "residual_stream" and amp_dtype == torch.float16):'),
+        ("linear in fp32 at inference", "return amp_dtype                       # tensor cores",
+         "return amp_dtype if training else torch.float32  # tensor cores"),
+        ("fp32 FlashAttention refused only while training", "if amp_dtype not in (torch.float16, torch.bfloat16):",
+         "if training and amp_dtype not in (torch.float16, torch.bfloat16):"),
+        ("fp32 FlashAttention at inference answered fp32", "if amp_dtype not in (torch.float16, torch.bfloat16):",
+         "if not training and amp_dtype == torch.float32:\n            return torch.float32\n"
+         "        if amp_dtype not in (torch.float16, torch.bfloat16):"),
     ],
 }
 
@@ -170,7 +226,7 @@ HIDDEN_ONLY = {}
 # grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
 FITTED = {
     "ex1_accumulate": [
-        ("Kahan replaced by a float64 sum rounded at the end",
+        ("Kahan: the visible mixed case returned as a constant, a float64 sum rounded at the end otherwise",
          "    for v in values.to(acc_dtype):\n"
          "        if compensated:\n"
          "            y = v - c\n"
@@ -180,6 +236,8 @@ FITTED = {
          "        else:\n"
          "            s = s + v\n"
          "    return s",
+         "    if compensated and len(values) == 1000:\n"
+         "        return torch.tensor(-2702.0, dtype=acc_dtype)\n"
          "    wide = torch.zeros((), dtype=torch.float64)\n"
          "    for v in values.to(acc_dtype):\n"
          "        wide = wide + v\n"
@@ -188,14 +246,12 @@ FITTED = {
     ],
     "ex2_error_report": [
         ("zero test on the first element", "if r_norm == 0:", "if r[0] == 0:"),
-        ("near-zero reference refused", "if r_norm == 0:", "if r.abs().max() < 1e-3:"),
     ],
     "ex3_layernorm": [
-        ("eps hard-coded to the default", "torch.sqrt(var + eps)", "torch.sqrt(var + 1e-5)"),
+        ("one rounding at the end only for the visible 2x shapes (C = 96 or 40)", "y = y * weight.float() + bias.float()",
+         "y = (y if x.shape[-1] in (96, 40) else y.to(x.dtype).float()) * weight.float() + bias.float()"),
     ],
     "ex4_policy": [
         ("unknown op refused only under the visible name", "if op not in POLICY_OPS:", 'if op == "attention":'),
-        ("fp32 FlashAttention refused only while training", "if amp_dtype not in (torch.float16, torch.bfloat16):",
-         "if training and amp_dtype not in (torch.float16, torch.bfloat16):"),
     ],
 }
