@@ -9,8 +9,10 @@ RULES = {
         "returns a dict of three Python floats",
         "recovers the coefficients from exact runs (default lse = 4)",
         "subtracts the LSE term with the lse argument (lse = 3)",
-        "minimizes the relative, not the absolute, error (runs with 5% noise)",
-        "ValueError when the runs cannot determine the three coefficients (flash runs only; one model only)",
+        "minimizes the relative error, divided by the measured bytes (runs with 5% noise: no coefficient nudged by 1e-6 lowers it)",
+        "ValueError when the runs cannot determine the three coefficients (flash runs only; one model only; two models "
+        "with the same L*h / V)",
+        "leaves the runs it is given unchanged",
         "calls no labkit",
     ],
     "ex2_chunked_ce": [
@@ -18,6 +20,10 @@ RULES = {
         "chunk_size that divides N, that does not, and larger than N",
         "float64 inputs give a float64 scalar, float32 inputs a float32 one",
         "bf16 inputs: softmax and loss in float32 (dtype; 2x rule over 16 losses against float64, autocast as baseline)",
+        "bf16 and fp16 inputs: a float32 loss and, by the 2x rule, the loss and d hidden (identity weight: the backward's "
+        "softmax from an fp32 log-sum-exp)",
+        "the gradient of a scaled loss (backward multiplies by grad_output); hidden [N, C] without a batch dimension",
+        "large logits (|z| ~ 200 in fp32): loss and d hidden finite and right (the row max subtracted)",
         "no tensor larger than one chunk of logits, forward or backward",
         "chunk_size is positions per chunk (chunks of 8 over 256 positions), not the number of chunks",
         "no logits kept for the backward",
@@ -40,10 +46,45 @@ RULES = {
         "theta_i = base^(-2i/D) with the base argument",
         "float64 input computed in float64 (against a float64 reference)",
         "scores depend only on the relative position",
-        "bf16 input at positions up to 4095 matches a float64 reference (angles not in half precision)",
+        "bf16 input at positions up to 4095 and fp16 input at positions up to 2499 match a float64 reference "
+        "(angles not in half precision)",
+        "any [..., N, D] (an [N, D] and a [B, N, D] input)",
+        "tables on x's device (x on the meta device)",
         "calls no labkit",
     ],
 }
+
+# Exercise 2 written as a custom autograd.Function (the prose allows it): the solution's checkpointed loop, and what
+# replaces it; its mistakes are the ones a Function brings (grad_output, the saved LSE's dtype).
+_CHECKPOINTED = ("    total = sum(checkpoint(chunk_loss, hc, weight, tc, use_reentrant=False)\n"
+                 "                for hc, tc in zip(h.split(chunk_size), t.split(chunk_size)))\n"
+                 "    return total / t.numel()")
+_FUNCTION = """
+    class ChunkedCE(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, w, t):
+            total, lses = torch.zeros((), dtype=acc, device=h.device), []
+            for hc, tc in zip(h.split(chunk_size), t.split(chunk_size)):
+                logits = (hc @ w.T).to(acc)
+                lses.append(torch.logsumexp(logits, -1))
+                total = total + (lses[-1] - logits.gather(1, tc[:, None])[:, 0]).sum()
+            ctx.save_for_backward(h, w, t, torch.cat(lses))
+            return total / len(t)
+
+        @staticmethod
+        def backward(ctx, g):
+            h, w, t, lse = ctx.saved_tensors
+            dh, dw = torch.empty_like(h), torch.zeros(w.shape, dtype=acc, device=w.device)
+            for i in range(0, len(t), chunk_size):
+                hc, tc = h[i:i + chunk_size], t[i:i + chunk_size]
+                p = torch.exp((hc @ w.T).to(acc) - lse[i:i + chunk_size, None].to(acc))
+                onehot = F.one_hot(tc, w.shape[0]).to(acc)
+                dz = g * (p - onehot) / len(t)
+                dh[i:i + chunk_size] = (dz @ w.to(acc)).to(h.dtype)
+                dw += dz.T @ hc.to(acc)
+            return dh, dw.to(w.dtype), None
+
+    return ChunkedCE.apply(h, weight, t)"""
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
@@ -61,6 +102,13 @@ MISTAKES = {
          'return dict(zip(("hidden", "scores", "logits"), c))'),
         ("the H100 coefficients returned", '    return {"hidden": float(c[0])',
          '    c = [94.0, 6.0, 10.4]\n    return {"hidden": float(c[0])'),
+        ("divided by y minus the LSE term, not by the measured y", "w = 1.0 / y", "w = 1.0 / (y - known)"),
+        ("the visible underdetermined cases checked instead of the rank", "if np.linalg.matrix_rank(features) < 3:",
+         "if flash.all() or len(set(zip(L, h, V))) < 2:"),
+        ("the caller's runs changed in place", 'y = runs["saved_bytes"].to_numpy(dtype=float)',
+         'runs.loc[runs["flash"], "saved_bytes"] -= (lse * runs["n_layer"] * runs["batch"] * runs["seq_len"]\n'
+         '                                             * runs["n_head"])[runs["flash"]]\n'
+         '    y = runs["saved_bytes"].to_numpy(dtype=float) + np.where(flash, lse * L * B * N * H, 0.0)'),
     ],
     "ex2_chunked_ce": [
         ("mean over chunks", "return total / t.numel()", "return total / len(h.split(chunk_size))"),
@@ -84,6 +132,15 @@ MISTAKES = {
          "    total = checkpoint(lambda hh, w, tt: sum(chunk_loss(hc, w, tc) for hc, tc in\n"
          "                                             zip(hh.split(chunk_size), tt.split(chunk_size))),\n"
          "                       h, weight, t, use_reentrant=False)"),
+        ("only [B, N, C] inputs handled", "h = hidden.reshape(-1, hidden.shape[-1])", "h = hidden.flatten(0, 1)"),
+        ("fp16 not upcast (only bf16)", "acc = torch.promote_types(hidden.dtype, torch.float32)",
+         "acc = torch.float32 if hidden.dtype == torch.bfloat16 else hidden.dtype"),
+        ("log-sum-exp without the row max", 'return F.cross_entropy(logits, t_chunk, reduction="sum")',
+         'return (logits.exp().sum(-1).log() - logits.gather(1, t_chunk[:, None]).squeeze(1)).sum()'),
+        ("custom Function: backward ignores grad_output", _CHECKPOINTED, _FUNCTION.replace("g * (p - onehot)", "(p - onehot)")),
+        ("custom Function: the LSE saved in the input dtype", _CHECKPOINTED,
+         _FUNCTION.replace("ctx.save_for_backward(h, w, t, torch.cat(lses))",
+                           "ctx.save_for_backward(h, w, t, torch.cat(lses).to(h.dtype))")),
     ],
     "ex3_extend_positions": [
         ("floor instead of ceil", "old.repeat(-(-n_positions // p), 1)", "old.repeat(n_positions // p, 1)"),
@@ -113,6 +170,12 @@ MISTAKES = {
         ("fp32 angles for fp64", "acc = torch.promote_types(x.dtype, torch.float32)", "acc = torch.float32"),
         ("angles in half precision", "acc = torch.promote_types(x.dtype, torch.float32)", "acc = x.dtype"),
         ("dtype not restored", "torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)", "torch.cat([-x2, x1], dim=-1) * sin)"),
+        ("only [B, H, N, D] inputs handled", "n, d = x.shape[-2], x.shape[-1]", "_, _, n, d = x.shape"),
+        ("only bf16 upcast for the angles", "acc = torch.promote_types(x.dtype, torch.float32)",
+         "acc = torch.float32 if x.dtype == torch.bfloat16 else x.dtype"),
+        ("tables built on the CPU", "dtype=acc, device=x.device) / d)      # [D/2]\n"
+         "    angles = torch.arange(n, dtype=acc, device=x.device)[:, None]",
+         "dtype=acc) / d)\n    angles = torch.arange(n, dtype=acc)[:, None]"),
     ],
 }
 
@@ -122,19 +185,19 @@ HIDDEN_ONLY = {}
 # grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
 FITTED = {
     "ex1_fit_coefficients": [
-        ("the two visible underdetermined cases checked instead of the rank", "if np.linalg.matrix_rank(features) < 3:",
-         "if flash.all() or len(set(zip(L, h, V))) < 2:"),
+        ("lse taken as a whole number of bytes (the visible 4 and 3)", "known = np.where(flash, lse * L",
+         "known = np.where(flash, int(lse) * L"),
     ],
     "ex2_chunked_ce": [
-        ("only [B, N, C] inputs handled", "h = hidden.reshape(-1, hidden.shape[-1])", "h = hidden.flatten(0, 1)"),
+        ("only [N, C] and [B, N, C] inputs handled", "h = hidden.reshape(-1, hidden.shape[-1])",
+         "h = hidden if hidden.dim() == 2 else hidden.flatten(0, 1)"),
     ],
     "ex3_extend_positions": [
         ("three copies of the table, enough for the visible lengths", "old.repeat(-(-n_positions // p), 1)", "old.repeat(3, 1)"),
         ("the current length hard-coded to 32", "p, width = old.shape", "p, width = 32, old.shape[1]"),
     ],
     "ex4_rope": [
-        ("only [B, H, N, D] inputs handled", "n, d = x.shape[-2], x.shape[-1]", "_, _, n, d = x.shape"),
-        ("only bf16 upcast for the angles", "acc = torch.promote_types(x.dtype, torch.float32)",
-         "acc = torch.float32 if x.dtype == torch.bfloat16 else x.dtype"),
+        ("inputs padded to [B, H, N, D] (the visible 2, 3 and 4 dimensions)", "n, d = x.shape[-2], x.shape[-1]",
+         "_, _, n, d = x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)).shape"),
     ],
 }
