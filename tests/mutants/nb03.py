@@ -40,7 +40,7 @@ RULES = {
         "calls no labkit",
     ],
     "ex4_rope": [
-        "same shape and dtype returned (fp32, fp64, bf16)",
+        "same shape and dtype returned (fp32, fp64, bf16, fp16)",
         "position 0 unrotated; norms kept",
         "rotate-half pairing (i, i + D/2) and its sign",
         "theta_i = base^(-2i/D) with the base argument",
