@@ -165,7 +165,7 @@ def _first_call(fn: Callable, device: str) -> tuple[str, float]:
 
 def _calls(q, k, v, lists, case, N, bm, rule, *, mine, mine_backward, also, passes, dense_limit):
     """{(backend, pass): callable} to time and {(backend, pass): status} of those that could not be built."""
-    calls, failed = {}, {}
+    calls = {}
     ours = {"mine": mine, **(also or {})}
     for name, fn in ours.items():
         if "fwd" in passes:

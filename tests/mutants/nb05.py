@@ -3,6 +3,22 @@
 ASSIGNMENT = "05_precision_analysis"
 SETUP = ['P = lk.profiles.choose(']
 
+# ex1's loop as the solution writes it, and the float64 sum rounded once at the end that two answers put there
+KAHAN_LOOP = ("    for v in values.to(acc_dtype):\n"
+              "        if compensated:\n"
+              "            y = v - c\n"
+              "            t = s + y\n"
+              "            c = (t - s) - y\n"
+              "            s = t\n"
+              "        else:\n"
+              "            s = s + v\n"
+              "    return s")
+WIDE_SUM = ("    wide = torch.zeros((), dtype=torch.float64)\n"
+            "    for v in values.to(acc_dtype):\n"
+            "        wide = wide + v\n"
+            "        s = s + v\n"
+            "    return wide.to(acc_dtype) if compensated else s")
+
 # grade_id -> the rules its visible tests check
 RULES = {
     "ex1_accumulate": [
@@ -85,20 +101,8 @@ MISTAKES = {
          "    c = torch.zeros((), dtype=torch.float32)\n    for v in values.to(acc_dtype):\n        if compensated:\n"
          "            y = v.float() - c\n            t = (s + y).to(acc_dtype)\n"),
         ("Kahan replaced by a float64 sum rounded at the end",
-         "    for v in values.to(acc_dtype):\n"
-         "        if compensated:\n"
-         "            y = v - c\n"
-         "            t = s + y\n"
-         "            c = (t - s) - y\n"
-         "            s = t\n"
-         "        else:\n"
-         "            s = s + v\n"
-         "    return s",
-         "    wide = torch.zeros((), dtype=torch.float64)\n"
-         "    for v in values.to(acc_dtype):\n"
-         "        wide = wide + v\n"
-         "        s = s + v\n"
-         "    return wide.to(acc_dtype) if compensated else s"),
+         KAHAN_LOOP,
+         WIDE_SUM),
     ],
     "ex2_error_report": [
         ("norms in the input dtype", "c = candidate.detach().double().flatten()", "c = candidate.detach().flatten()"),
@@ -235,22 +239,9 @@ HIDDEN_ONLY = {}
 FITTED = {
     "ex1_accumulate": [
         ("Kahan: the visible mixed case returned as a constant, a float64 sum rounded at the end otherwise",
-         "    for v in values.to(acc_dtype):\n"
-         "        if compensated:\n"
-         "            y = v - c\n"
-         "            t = s + y\n"
-         "            c = (t - s) - y\n"
-         "            s = t\n"
-         "        else:\n"
-         "            s = s + v\n"
-         "    return s",
+         KAHAN_LOOP,
          "    if compensated and len(values) == 1000:\n"
-         "        return torch.tensor(-2702.0, dtype=acc_dtype)\n"
-         "    wide = torch.zeros((), dtype=torch.float64)\n"
-         "    for v in values.to(acc_dtype):\n"
-         "        wide = wide + v\n"
-         "        s = s + v\n"
-         "    return wide.to(acc_dtype) if compensated else s"),
+         "        return torch.tensor(-2702.0, dtype=acc_dtype)\n" + WIDE_SUM),
     ],
     "ex2_error_report": [
         ("zero test on the first element", "if r_norm == 0:", "if r[0] == 0:"),
