@@ -20,7 +20,10 @@ in the code and checked against a step's allocations on a CPU, tests/test_cpmem.
   the layer inputs, what the recomputed layer keeps while its attention runs backward
   (:data:`ATTENTION_LAYER`) and :func:`ring_buffer_bytes` (K/V received and the copy sent on, dK/dV
   accumulated in fp32, received and sent on). It sets the peak only when the layer's own peak is
-  small (the chunked MLP) or K/V are all-gathered on many devices.
+  small (the chunked MLP) or K/V are all-gathered on many devices;
+- on the first step only, AdamW's state: torch creates it in the first ``optimizer.step()``, after
+  the backward, so a first step (``cp-train --steps 1``, how the reach runs are timed) peaks without
+  it (``first_step=True``); from the second step on it is alive all the time.
 
 How torch moves K/V matters for that phase. As a ring (``rotate="alltoall"``, what ``lk.cptrain``
 sets) each device holds one chunk in flight. Torch's default, ``"allgather"``, gathers every
@@ -64,7 +67,7 @@ def ring_buffer_bytes(kv_bytes: float = 2.0, acc_bytes: float = 4.0) -> float:
 
 def cp_memory(shape: ModelShape, *, seq_len: int, world: int, checkpointing: bool = True,
               chunked_loss: bool = True, chunk_size: int = 4096, chunked_mlp: bool = False,
-              rotate: str = "alltoall") -> dict[str, float]:
+              rotate: str = "alltoall", first_step: bool = False) -> dict[str, float]:
     """Predicted peak bytes on each of ``world`` devices for one training step on ``seq_len`` tokens.
 
     The local share is ``ceil(seq_len / world)`` tokens (batch 1); the model, the full learned
@@ -72,7 +75,8 @@ def cp_memory(shape: ModelShape, *, seq_len: int, world: int, checkpointing: boo
     local tokens (without the position table's gradient and cast, see the module's text) and, on
     ``world`` >= 2, the ring's phase (``ring``: :func:`ring_buffer_bytes`, with ``rotate=
     "allgather"`` (torch's default) also :data:`GATHER_BYTES` per hidden unit for each of the other
-    devices' tokens).
+    devices' tokens). ``first_step``: the step that creates AdamW's state (``optimizer`` is 0 until its end,
+    where weights, every gradient and the new state are alive: that phase is the peak if it is larger).
 
     Returns:
         dict with :data:`labkit.longmem.KEYS`, ``ring`` (0 unless the ring's phase is the peak),
@@ -93,6 +97,12 @@ def cp_memory(shape: ModelShape, *, seq_len: int, world: int, checkpointing: boo
         out["grads"] -= coef.grad * positions * h  # made by the embedding's backward, the step's last op
     if out["casts"] == coef.cast * every:
         out["casts"] -= coef.cast * positions * h  # autocast does not cast an embedding's weight
+    if first_step:   # AdamW's state is made at the step's end, where weights and every gradient are alive
+        step_end = dict.fromkeys(KEYS, 0.0) | dict(weights=out["weights"], grads=coef.grad * every,
+                                                   optimizer=out["optimizer"])
+        out["optimizer"] = 0.0
+        if sum(step_end.values()) > sum(out[k] for k in KEYS):
+            out.update(step_end)
     out["ring"], out["ring_phase"], out["ring_at_peak"] = 0.0, 0.0, 0.0
     if world > 1:
         gathered = GATHER_BYTES * (world - 1) if rotate == "allgather" else 0.0

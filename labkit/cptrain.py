@@ -238,7 +238,7 @@ def train(args, mesh, device: torch.device) -> dict:
     rotate = rotate_method() if mesh is not None else None
     predicted = cpmem.cp_memory(shape, seq_len=args.seq_len, world=world, checkpointing=args.checkpointing,
                                 chunk_size=args.chunk_size, chunked_mlp=args.chunked_mlp,
-                                rotate=rotate or ROTATE_METHOD)["total"]
+                                rotate=rotate or ROTATE_METHOD, first_step=args.steps == 1)["total"]
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return dict(rank=dist.get_rank() if mesh is not None else 0, world=world, N=args.seq_len, local_tokens=local,
                 losses=losses, step_s=step_s, tokens_per_s=args.seq_len / step_s, peak_gib=peak,

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from pathlib import Path
 
 STORE = Path(__file__).with_name("reference_runs")
 KEPT_MIME = ("text/html", "image/png", "text/plain")  # what a cell output keeps, richest first
 GPU_ONLY_CALL = "gpu_only("
+PROGRESS_LINE = re.compile(r"\[\d+:\d+(:\d+)?[<,]")   # a progress bar's "[00:12<00:30, ..." or "[00:00, ?it/s]"
 
 
 def _run_facts() -> dict:
@@ -48,7 +50,11 @@ def _run_facts() -> dict:
 def _kept_output(output: dict) -> dict | None:
     """A cell output reduced to what :func:`show` displays: stdout text, or one rich representation."""
     if output["output_type"] == "stream":
-        return {"text": "".join(output["text"])} if output["name"] == "stdout" else None
+        if output["name"] != "stdout":
+            return None
+        text = "".join(line for line in "".join(output["text"]).splitlines(keepends=True)
+                       if not PROGRESS_LINE.search(line))
+        return {"text": text} if text.strip() else None
     data = output.get("data", {})
     for mime in KEPT_MIME:
         if mime in data:
@@ -114,7 +120,7 @@ def show(notebook: str, cell_id: str) -> None:
         print(f"（這個儲存格還沒有收錄課程參考執行的結果（{notebook} / {cell_id}）：這一格的數字要在 CUDA GPU 上執行才看得到。）")
         return
     print(heading(run))
-    if cell_id in run.get("notes", {}):   # the cell changed after this run: what the run does not show
+    if cell_id in run.get("notes", {}):   # what this run does not show, or how it ran
         print(f"⚠️ {run['notes'][cell_id]}")
     for output in outputs:
         if "text" in output:

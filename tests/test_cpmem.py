@@ -19,11 +19,13 @@ GIB = 2**30
 
 
 # Peaks measured on H200s (torch 2.11, GPT-2 small, --checkpointing, bf16; cp-train): (N, P) -> GiB per GPU,
-# the largest rank's; 65,536 at P = 1, 2, 4 from 07's reference run (4x H200), 256K at P = 4 from
-# labkit/reference_runs/cp_train_h200.json (checked against it below).
+# the largest rank's; 65,536 at P = 1, 2, 4 from 07's reference run (4x H200), 256K at P = 1, 2, 4 and 2M at
+# P = 4 from labkit/reference_runs/cp_train_h200.json (checked against it below).
 MEASURED = {(131072, 1): 18.9, (262144, 1): 36.1, (524288, 1): 66.7,
             (131072, 2): 10.9, (262144, 2): 20.2, (1 << 20, 2): 69.0,
-            (65536, 1): 10.24, (65536, 2): 6.26, (65536, 4): 5.21, (262144, 4): 12.03}
+            (65536, 1): 10.24, (65536, 2): 6.26, (65536, 4): 5.21, (262144, 4): 12.03, (1 << 21, 4): 72.08}
+# The reach runs time one step (--steps 1): the first, which creates AdamW's state only at its end.
+FIRST_STEP = {(524288, 1), (1 << 20, 2), (1 << 21, 4)}
 
 
 def test_one_device_is_notebook_03s_model_without_the_tables_gradient_and_cast():
@@ -40,8 +42,23 @@ def test_one_device_is_notebook_03s_model_without_the_tables_gradient_and_cast()
 @pytest.mark.parametrize("point", sorted(MEASURED))
 def test_within_ten_percent_of_the_measured_peaks(point):
     n, world = point
-    predicted = cpmem.cp_memory(SMALL, seq_len=n, world=world)["total"] / GIB
+    predicted = cpmem.cp_memory(SMALL, seq_len=n, world=world, first_step=point in FIRST_STEP)["total"] / GIB
     assert predicted == pytest.approx(MEASURED[point], rel=0.10), (point, predicted)
+
+
+def test_a_first_step_peaks_without_adamws_state():
+    """torch.optim.AdamW makes its state in the first step(): not alive during the first backward."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    assert not opt.state
+    opt.step()
+    assert {k for p in model.parameters() for k, v in opt.state[p].items() if v.shape == p.shape} == {"exp_avg", "exp_avg_sq"}
+    n = 1 << 21
+    later, first = (cpmem.cp_memory(SMALL, seq_len=n, world=4, first_step=f) for f in (False, True))
+    assert first["optimizer"] == 0 and later["total"] - first["total"] == pytest.approx(later["optimizer"])
+    tiny = cpmem.cp_memory(SMALL, seq_len=64, world=1, first_step=True)   # activations too small: the step's end
+    assert tiny["optimizer"] == cpmem.cp_memory(SMALL, seq_len=64, world=1)["optimizer"] > 0
 
 
 def test_measured_points_are_the_stored_runs():
@@ -51,6 +68,10 @@ def test_measured_points_are_the_stored_runs():
     stored = json.loads((Path(cpmem.__file__).parent / "reference_runs" / "cp_train_h200.json").read_text())
     for key in ("s256_p1", "s256_p2", "s256_p4"):
         rows = stored[key]
+        point = (rows[0]["N"], rows[0]["world"])
+        assert max(r["peak_gib"] for r in rows) == pytest.approx(MEASURED[point], abs=0.05), (key, point)
+    for key in ("s256_p4", "reach_p4_2097152"):   # the same points again on one 4-GPU host
+        rows = stored["one_host_x4"]["runs"][key]
         point = (rows[0]["N"], rows[0]["world"])
         assert max(r["peak_gib"] for r in rows) == pytest.approx(MEASURED[point], abs=0.05), (key, point)
 

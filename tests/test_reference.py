@@ -24,11 +24,11 @@ def gpu_only_cells():
 
 
 CELLS = list(gpu_only_cells())
-# Notebooks whose reference GPU run is not stored yet: the device time of the session that made the
-# others ran out (06, 07) or the notebook is newer than the run (08). Strict: storing one fails this
-# list until the entry is removed. Their GPU-only cells print a one-line notice meanwhile.
+# Notebooks (or cells) whose reference GPU run is not stored yet, e.g. a GPU-only cell newer than the notebook's
+# stored run. Strict: storing one fails this list until the entry is removed. Their GPU-only cells print a
+# one-line notice meanwhile.
 # An entry is a slug (all its GPU-only cells) or "slug:cell-id" (one cell newer than the notebook's stored run).
-NOT_YET_RUN: set[str] = {"09_flex_attention:cell-033g"}   # GPU-only cells with no stored reference run yet
+NOT_YET_RUN: set[str] = set()   # GPU-only cells with no stored reference run yet
 
 
 def _params():
@@ -74,6 +74,15 @@ def test_only_gpu_only_cells_are_kept_with_their_text_tables_and_figures():
     nb, gpu_id = executed_notebook()
     assert reference.gpu_only_outputs(nb) == {gpu_id: [{"text": "N=1024: 1.5 ms\n"}, {"text/html": "<table></table>"},
                                                        {"image/png": "iVBORw0KGgo="}]}
+
+
+def test_progress_bars_printed_to_stdout_are_not_kept():
+    nb, gpu_id = executed_notebook()
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout",
+                                                  text="longest sequence: 0it [00:00, ?it/s]\nsweep: 3/12 [00:41<02:03, 13.7s/it]\n"
+                                                       "N=1024: 1.5 ms\n"),
+                           nbformat.v4.new_output("stream", name="stdout", text="flex sweep:   0%|   | 0/12 [00:00<?, ?it/s]\n")]
+    assert reference.gpu_only_outputs(nb) == {gpu_id: [{"text": "N=1024: 1.5 ms\n"}]}
 
 
 def test_build_refuses_a_machine_without_a_gpu(tmp_path):
