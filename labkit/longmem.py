@@ -131,6 +131,8 @@ def saved_tensor_bytes(fn: Callable[[], object], *, exclude: Iterable[torch.Tens
     model's parameters) are not counted. This is the activation memory of a training step, and
     unlike the allocator's peak it can be measured on a CPU. Tensors kept by non-reentrant
     checkpointing (the checkpoint inputs) are counted; the ones it recomputes are not.
+    The hook keeps a detached view: a node that saves its own output would otherwise hold that
+    output (and with it the whole graph) in a reference cycle no garbage collection frees.
     """
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     seen: dict[int, int] = {}
@@ -139,7 +141,7 @@ def saved_tensor_bytes(fn: Callable[[], object], *, exclude: Iterable[torch.Tens
         storage = t.untyped_storage()
         if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()

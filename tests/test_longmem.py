@@ -260,3 +260,22 @@ def test_peak_live_bytes_sees_the_backward_of_one_checkpoint_around_every_chunk(
         checkpoint(lambda x: sum(loss(hc) for hc in x.split(32)), h, use_reentrant=False).backward()
 
     assert longmem.peak_live_bytes(per_chunk) < 6 * chunk < 16 * chunk <= longmem.peak_live_bytes(whole_loop)
+
+
+def test_saved_tensor_bytes_leaves_no_graph_alive():
+    """A node that saves its output (exp) must not keep it, and its graph, alive after the measurement."""
+    import gc
+    import weakref
+
+    x = torch.randn(1000, requires_grad=True)
+    outputs = []
+
+    def forward():
+        y = x.exp()
+        outputs.append(weakref.ref(y))
+        return y.sum()
+
+    assert longmem.saved_tensor_bytes(forward) == 1000 * 4
+    gc.collect()
+    assert outputs[0]() is None, "the measured forward's output is still alive: its graph leaked"
+    assert longmem.saved_tensor_bytes(lambda: x.exp().sum().backward()) == 1000 * 4 and x.grad is not None
