@@ -53,7 +53,8 @@ def test_a_first_step_peaks_without_adamws_state():
     model(torch.randn(4, 8)).sum().backward()
     assert not opt.state
     opt.step()
-    assert {k for p in model.parameters() for k, v in opt.state[p].items() if v.shape == p.shape} == {"exp_avg", "exp_avg_sq"}
+    moments = {k for p in model.parameters() for k, v in opt.state[p].items() if v.shape == p.shape}
+    assert moments == {"exp_avg", "exp_avg_sq"}
     n = 1 << 21
     later, first = (cpmem.cp_memory(SMALL, seq_len=n, world=4, first_step=f) for f in (False, True))
     assert first["optimizer"] == 0 and later["total"] - first["total"] == pytest.approx(later["optimizer"])
