@@ -8,7 +8,8 @@ nbgrader's layout, ``ROOT/<student>/<assignment>/<assignment>.ipynb``. Each vari
   (no Triton kernel launched); ``error``: an answer cell raises (NameError); ``timeout``: an answer cell sleeps
   past any limit.
 - Weaker, still right, for the GPU ranking: 08 ``nosplit`` (decode_split and paged_decode launch one split),
-  06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them), 09 ``dense``
+  06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them) and ``smalltiles``
+  (the forward tries one small tile, 32 x 16, instead of its tuned list), 09 ``dense``
   (the forward reads every key block as a partial one: the mask rule keeps it right, no block is skipped).
 
 GPU check: ``python tests/board_gpu.py`` (:data:`GPU_STUDENTS`: the solution, the weaker variant, and what
@@ -53,6 +54,8 @@ VARIANTS = {
         "noskip": [("        hi = tl.minimum(N_K, start_m + BLOCK_M + shift)"
                     "                    # keys any row here sees\n",
                     "        hi = N_K                                                           # no tile skipped\n")],
+        "smalltiles": [("    [(128, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4), (128, 64, 4, 7)],\n",
+                        "    [(32, 16, 4, 1)],                                          # one small tile, untuned\n")],
     },
     "09_flex_attention": {
         "ok": [],
@@ -67,7 +70,7 @@ VARIANTS = {
     },
 }
 GPU_STUDENTS = {"08_decode_attention": ["ok", "nosplit", "wrong", "flagged"],
-                "06_triton_flashattention": ["ok", "noskip", "flagged"],
+                "06_triton_flashattention": ["ok", "noskip", "smalltiles", "flagged"],
                 "09_flex_attention": ["ok", "dense", "wrong", "flagged"]}
 
 

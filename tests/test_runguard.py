@@ -87,6 +87,38 @@ def test_other_warnings_pass_through():
     assert "recorded 1" in proc.stdout and "a user warning" in proc.stderr
 
 
+def _fake_torch(tmp_path):
+    """tmp_path/torch/{deprecated_api, internal_user, deprecated_module}.py: a package whose files sit in a
+    ``torch`` folder, as torch's do, importable as ``faketorch``."""
+    pkg = tmp_path / "faketorch"
+    (pkg / "torch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "torch" / "__init__.py").write_text("")
+    (pkg / "torch" / "deprecated_api.py").write_text(
+        "import warnings\n\ndef old(fn):\n    warnings.warn('old is deprecated', DeprecationWarning)\n    return fn\n")
+    (pkg / "torch" / "internal_user.py").write_text(
+        "from faketorch.torch.deprecated_api import old\n\nclass Module:\n    @old\n    def forward(self):\n        pass\n")
+    (pkg / "torch" / "importer.py").write_text("import faketorch.torch.internal_user\n")
+    (pkg / "torch" / "deprecated_module.py").write_text(
+        "import warnings\nwarnings.warn('this module is deprecated', DeprecationWarning)\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("code, reported", [
+    ("import faketorch.torch.importer", False),            # torch importing its own module that uses its own old API
+    ("import faketorch.torch.internal_user", True),        # the reader imports it: the warning is theirs to see
+    ("import faketorch.torch.deprecated_module", True),    # the reader imports a deprecated module
+    ("from faketorch.torch.deprecated_api import old\nold(print)", True),   # the reader calls the old API
+])
+def test_torch_calling_its_own_deprecated_api_at_import_passes(tmp_path, code, reported):
+    root = _fake_torch(tmp_path)
+    shown = "import warnings\nwarnings.filterwarnings('always', category=DeprecationWarning)\n"  # faketorch is no
+    proc = _guarded(f"import sys\nsys.path.insert(0, {str(root)!r})\n{shown}{code}\nprint('went on')",  # guarded module
+                    mode="report")
+    assert proc.returncode == 0 and "went on" in proc.stdout, proc.stderr
+    assert ("[run guard] DeprecationWarning" in proc.stderr) == reported, proc.stderr
+
+
 def test_report_mode_prints_and_goes_on():
     proc = _guarded("""
         import socket, warnings
