@@ -11,11 +11,13 @@ document of ``document_id``).
   (causal with Nq > Nk: rows that see the key tail's bounds; a window with Nq < Nk; documents index q and k with one id list, so Nq = Nk), uneven
   documents, a sink on the forward and its lse given to the backward; against float64 autograd through a dense
   attention with the same boolean table (the sink one more score column, value 0).
-- Time (GPU, forward): :func:`labkit.flexbench.sweep` (the notebook's sweep: ``torch.compile(flex_attention)``
-  and its FLASH backend, SDPA with a dense mask, FA4, varlen in the same run) at B = 1, H = 16, d = 128, bf16,
-  N = 4K/8K/16K, masks causal, window 1024 and 16 documents; then the timed tensors rewritten in place and the
-  student's kernel checked again. Score: TFLOP/s of the work the mask keeps (4 d H per visible score) over the
-  measured matmul peak, geometric mean over the 9 shapes; a library kernel gets a score where it ran all 9.
+- Time (GPU, forward and forward+backward): :func:`labkit.flexbench.sweep` (the notebook's sweep:
+  ``torch.compile(flex_attention)`` and its FLASH backend, SDPA with a dense mask, FA4, varlen in the same run;
+  the libraries' backward through autograd) at B = 1, H = 16, d = 128, bf16, N = 4K/8K/16K, masks causal,
+  window 1024 and 16 documents; then the timed tensors rewritten in place and the student's forward checked
+  again. Score (:func:`scores`): TFLOP/s of the work the mask keeps (4 d H per visible score; x3.5 forward +
+  backward, as ``lk.attention.flops`` counts) over the measured matmul peak, geometric mean over the 9 shapes per
+  pass, then over the two passes; a library kernel gets a score where it ran all 9.
 
 Used by: :mod:`labkit.boardshapes` (the registry).
 """
@@ -135,48 +137,76 @@ def kept_scores(mask_mod, N: int, device, chunk: int = 1024) -> int:
                for i in range(0, N, chunk))
 
 
+PASS_FLOPS = {"fwd": 1.0, "fwd+bwd": 3.5}   # the course's count (lk.attention.flops): the backward does 2.5x
+PASS_KEYS = {"fwd": "fwd", "fwd+bwd": "fwd_bwd"}   # the board's score columns, named as 06's
+
+
+def scores(ok, work: dict, peak: float) -> dict:
+    """Per backend of the sweep's rows that ran (``ok``: backend, pass, N, mask, tflops): the geometric mean over
+    the shapes of ``work`` (N, mask) of TFLOP/s over ``peak`` for each pass, and ``score``, the geometric mean of
+    the passes; NaN where a backend did not run every shape of a pass."""
+    out = {}
+    for backend in sorted(set(ok["backend"])):
+        per_pass = {}
+        for p, key in PASS_KEYS.items():
+            rows = ok[(ok["backend"] == backend) & (ok["pass"] == p)]
+            per_pass[key] = common.geomean(list(rows["tflops"] / peak)) if len(rows) == len(work) else float("nan")
+        per_pass["score"] = common.geomean(list(per_pass.values()))
+        out["student" if backend == "mine" else backend] = per_pass
+    return out
+
+
 def _time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
     from . import bench, flexbench
 
-    fn, kept, H, d = ns["sparse_attention"], {}, TIMED["H"], TIMED["d"]
+    fn, bwd, kept, H, d = ns["sparse_attention"], ns["sparse_attention_backward"], {}, TIMED["H"], TIMED["d"]
     cases = [dict(c, rule=lambda N, c=c: rule(c["kind"], c.get("window", 0), _ids(c, N, device)),
                   document_id=lambda N, c=c: _ids(c, N, device)) for c in CASES]
+    ids = {}
 
-    def student(q, k, v, lists, block, case, N):   # the timed call; keeps what the timer gave it
+    def rule_args(case, N):   # document ids made once per N: a copy in each timed call would be timed too
+        if case["kind"] == "document" and N not in ids:
+            ids[N] = _ids(case, N, device)
+        return dict(mask=case["kind"], window=case.get("window", 0),
+                    document_id=ids[N] if case["kind"] == "document" else None)
+
+    def student(q, k, v, lists, block, case, N):   # the timed forward; keeps what the timer gave it
         kept[(N, case["name"])] = (q, k, v, lists, block, case)
-        return fn(q, k, v, lists, block, mask=case["kind"], window=case.get("window", 0),
-                  document_id=_ids(case, N, device))
+        return fn(q, k, v, lists, block, **rule_args(case, N))
+
+    def student_backward(q, k, v, o, lse, do, lists, block, case, N):
+        return bwd(q, k, v, o, lse, do, lists, block, **rule_args(case, N))
 
     torch.manual_seed(seed)
-    sweep = flexbench.sweep(cases, TIMED["seq_lens"], mine=student, H=H, d=d, target_ms=target_ms)
+    sweep = flexbench.sweep(cases, TIMED["seq_lens"], mine=student, mine_backward=student_backward, H=H, d=d,
+                            target_ms=target_ms, device=device.type)
     bad = sweep[(sweep["backend"] == "mine") & (sweep["status"] != "ok")]
     if len(bad):
         first = bad.iloc[0]
-        raise RuntimeError(f"the timed call failed at N={first['N']} mask={first['mask']}: {first['status']}")
+        raise RuntimeError(f"the timed call failed at N={first['N']} mask={first['mask']} ({first['pass']}): "
+                           f"{first['status']}")
     gen = torch.Generator().manual_seed(seed)
     for (n, name), (q, k, v, lists, block, case) in kept.items():    # new values, the same tensors
         with torch.no_grad():
             for t in (q, k, v):
                 t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
-            o = student(q, k, v, lists, block, case, n)[0][:, :2, -RECHECK_ROWS:]
-            rows = torch.arange(n - RECHECK_ROWS, n, device=device)
-            table = allowed(case["rule"](n), rows, n)
-            qs, ks, vs = q[:, :2, -RECHECK_ROWS:], k[:, :2], v[:, :2]
+            rows = min(RECHECK_ROWS, n)
+            o = student(q, k, v, lists, block, case, n)[0][:, :2, -rows:]
+            table = allowed(case["rule"](n), torch.arange(n - rows, n, device=device), n)
+            qs, ks, vs = q[:, :2, -rows:], k[:, :2], v[:, :2]
             common.compare(f"o after the timing, inputs rewritten in place (N={n} mask={name})", o,
-                           dense(qs, ks, vs, table)[0], dense(qs, ks, vs, table, dtype=torch.bfloat16)[0],
-                           torch.bfloat16, 0.0)
+                           dense(qs, ks, vs, table)[0], dense(qs, ks, vs, table, dtype=q.dtype)[0], q.dtype, 0.0)
     work = {(n, c["name"]): 4.0 * H * d * kept_scores(c["rule"](n), n, device)
             for n in TIMED["seq_lens"] for c in cases}
     peak = bench.matmul_peak_tflops(device=device, dtype=torch.bfloat16, n=common.PEAK_N)
     ok = sweep[sweep["status"] == "ok"].copy()
-    ok["tflops"] = [work[(r.N, r.mask)] / (r.ms * 1e-3) / 1e12 for r in ok.itertuples()]
-    result = {"peak_tflops": peak, "rows": ok[["backend", "N", "mask", "density", "ms", "tflops"]].to_dict("records"),
-              "failed": {r.backend: r.status for r in sweep[sweep["status"] != "ok"].itertuples()}}
-    for backend in sorted(set(sweep["backend"])):
-        mine = ok[ok["backend"] == backend]
-        score = common.geomean(list(mine["tflops"] / peak)) if len(mine) == len(work) else float("nan")
-        result["student" if backend == "mine" else backend] = {"fwd": score, "score": score}
-    return result
+    ok["tflops"] = [work[(n, mask)] * PASS_FLOPS[p] / (ms * 1e-3) / 1e12
+                    for n, mask, p, ms in zip(ok["N"], ok["mask"], ok["pass"], ok["ms"])]
+    failed = sweep[sweep["status"] != "ok"]
+    return {"peak_tflops": peak,
+            "rows": ok[["backend", "pass", "N", "mask", "density", "ms", "tflops"]].to_dict("records"),
+            "failed": {f"{b} {p}": status for b, p, status in zip(failed["backend"], failed["pass"], failed["status"])},
+            **scores(ok, work, peak)}
 
 
 SPEC = Spec(

@@ -103,6 +103,43 @@ def test_09_kept_work_counts_the_visible_scores():
     assert b09.kept_scores(b09.rule("document", document_id=ids), 8, "cpu", chunk=5) == 6 + 15
 
 
+def test_09_scores_both_passes_over_every_shape():
+    from labkit import boardshapes09 as b09
+
+    work = {(4096, "causal"): 1.0, (8192, "causal"): 1.0}
+    rows = [("mine", p, n, t) for p, ts in (("fwd", (0.25, 0.64)), ("fwd+bwd", (0.16, 0.36))) for n, t in zip((4096, 8192), ts)]
+    rows += [("flex_triton", "fwd", 4096, 0.5), ("flex_triton", "fwd", 8192, 0.5), ("flex_triton", "fwd+bwd", 4096, 0.5)]
+    ok = pd.DataFrame(rows, columns=["backend", "pass", "N", "tflops"]).assign(mask="causal")
+    got = b09.scores(ok, work, peak=1.0)
+    assert got["student"]["fwd"] == pytest.approx(0.4) and got["student"]["fwd_bwd"] == pytest.approx(0.24)
+    assert got["student"]["score"] == pytest.approx(math.sqrt(0.4 * 0.24)), "the geometric mean of the two passes"
+    assert got["flex_triton"]["fwd"] == pytest.approx(0.5) and math.isnan(got["flex_triton"]["fwd_bwd"])
+    assert math.isnan(got["flex_triton"]["score"]), "a backend that missed a shape of a pass gets no score"
+
+
+def test_09_timing_on_a_cpu_times_the_solution_forward_and_backward(monkeypatch):
+    """The 09 board's timing end to end at a toy size (the interpreter; flex_attention eager, not compiled)."""
+    import torch
+
+    from board_fixture import variant
+    from labkit import boardcommon, boardrun
+    from labkit import boardshapes09 as b09
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    monkeypatch.setattr(b09, "TIMED", dict(seq_lens=[256], H=2, d=32))   # two blocks of 128
+    monkeypatch.setattr(boardcommon, "PEAK_N", 256)
+    ns = {"__name__": "__main__", "display": lambda *args, **kwargs: None}
+    boardrun._run_cells(board.cells_to_run(variant("09_flex_attention", "ok"), b09.SPEC.graded), ns)
+    timing = b09.SPEC.time(ns, 7, torch.device("cpu"), 1.0)
+    rows = pd.DataFrame(timing["rows"])
+    mine = rows[rows["backend"] == "mine"]
+    assert sorted(set(zip(mine["pass"], mine["mask"]))) == sorted(
+        (p, c["name"]) for p in ("fwd", "fwd+bwd") for c in b09.CASES)
+    assert (mine["tflops"] > 0).all() and set(timing["student"]) == {"fwd", "fwd_bwd", "score"}
+    assert timing["student"]["score"] == pytest.approx(
+        math.sqrt(timing["student"]["fwd"] * timing["student"]["fwd_bwd"]))
+
+
 def test_magics_and_unparsable_cells():
     nb = {"cells": [{"cell_type": "code", "metadata": {}, "source": "import torch\n%matplotlib inline\n"},
                     {"cell_type": "code", "metadata": {}, "source": "x = f(\nX = 1\n"},
