@@ -32,7 +32,7 @@ import warnings
 GUARDED_SOURCES = re.compile(r"[\\/](torch|transformers|labkit)[\\/]|[\\/]ipykernel_\d+[\\/]|<ipython-input|^<cell")
 GUARDED_MODULES = r"(torch|transformers|labkit)(\.|$)|__main__$"  # warnings filter: by module name
 TORCH_FILE = re.compile(r"[\\/]torch[\\/]")
-PLUMBING_FILE = re.compile(r"^<frozen importlib|[\\/]warnings\.py$|[\\/]importlib[\\/]")
+PLUMBING_FILE = re.compile(r"^<frozen importlib|[\\/](_py_)?warnings\.py$|[\\/]importlib[\\/]")  # 3.14: _py_warnings
 GUARDED_CATEGORIES = (DeprecationWarning, FutureWarning)
 LOCAL_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost", ""}
 MODES = ("raise", "report")
