@@ -8,7 +8,8 @@ RULES = {'ex1_merge': ['o and lse equal attention over all keys (even and uneven
                'lse near +1e4 and -1e4: no overflow or underflow (exp only of lse differences)',
                'rows with no visible key on either side: o = 0, lse = -inf, no NaN',
                'rows with keys on one side only: that side\'s o and lse',
-               "o in o1's dtype; lse float64 for float64 inputs, fp32 for bf16 o (never o's dtype)",
+               "o in o1's dtype (also when o2's differs: bf16 with fp32, both ways); lse float64 for float64 inputs, fp32 "
+               "for bf16 o (never o's dtype)",
                'bf16 and fp16 partials: lse within 2x of the CPU flash kernel\'s error (fp32 statistics), o rounded once',
                'no labkit in the answer'],
  'ex2_zigzag': ['a list of P lists of two chunk indices',
@@ -49,7 +50,10 @@ MISTAKES = {'ex1_merge': [('plain average, no rescale',
                 '    lse = torch.logaddexp(lse1, lse2).to(torch.promote_types(lse1.dtype, torch.float32))'),
                ("weighted sum of o in o's dtype (weights cast down)",
                 'o = w1 * o1.to(acc) + w2 * o2.to(acc)',
-                'o = w1.to(o1.dtype) * o1 + w2.to(o1.dtype) * o2')],
+                'o = w1.to(o1.dtype) * o1 + w2.to(o1.dtype) * o2'),
+               ("o returned in o2's dtype", 'return o.to(o1.dtype), lse', 'return o.to(o2.dtype), lse'),
+               ('o in the promoted dtype of o1 and o2', 'return o.to(o1.dtype), lse',
+                'return o.to(torch.promote_types(o1.dtype, o2.dtype)), lse')],
  'ex2_zigzag': [('round-robin instead of head-tail',
                  '[[i, 2 * P - 1 - i] for i in range(P)]',
                  '[[i, i + P] for i in range(P)]'),
@@ -70,6 +74,29 @@ MISTAKES = {'ex1_merge': [('plain average, no rescale',
                      ('true division: a float', 'm * (m + 1) // 2', 'm * (m + 1) / 2'),
                      ('chunk index ignored', 'for c in chunks)', 'for c in range(len(chunks)))'),
                      ('only the first chunk counted', 'for c in chunks)', 'for c in chunks[:1])')]}
+
+MISTAKES["ex1_merge"] += [
+    ("always fp32 (float64 inputs computed in fp32)",
+     "acc = torch.promote_types(torch.promote_types(lse1.dtype, o1.dtype), torch.float32)", "acc = torch.float32"),
+    ("renormalized by w1 + w2 (0/0 on empty rows)", "o = w1 * o1.to(acc) + w2 * o2.to(acc)",
+     "o = (w1 * o1.to(acc) + w2 * o2.to(acc)) / (w1 + w2)"),
+    ("-inf guard keyed on lse2", "shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)",
+     "shift = torch.where(torch.isneginf(lse2), torch.zeros_like(lse), lse)"),
+    ("shift clamped at 0", "shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)", "shift = lse.clamp(min=0)"),
+]
+MISTAKES["ex2_zigzag"] += [
+    ("pair order swapped within a device", "[[i, 2 * P - 1 - i] for i in range(P)]", "[[2 * P - 1 - i, i] for i in range(P)]"),
+    ("devices in reverse order", "[[i, 2 * P - 1 - i] for i in range(P)]",
+     "[[i, 2 * P - 1 - i] for i in reversed(range(P))]"),
+    ("one flat list", "[[i, 2 * P - 1 - i] for i in range(P)]", "[c for i in range(P) for c in (i, 2 * P - 1 - i)]"),
+]
+MISTAKES["ex3_causal_work"] += [
+    ("diagonal block counted as half (m * m // 2)", "m * (m + 1) // 2", "m * m // 2"),
+    ("chunk index off by one", "c * m * m + m * (m + 1) // 2", "(c + 1) * m * m + m * (m + 1) // 2"),
+    ("diagonal added once per device", "sum(c * m * m + m * (m + 1) // 2 for c in chunks)",
+     "sum(c * m * m for c in chunks) + m * (m + 1) // 2"),
+    ("chunks assumed adjacent", "for c in chunks)", "for c in range(min(chunks), max(chunks) + 1))"),
+]
 
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}
