@@ -14,7 +14,7 @@ RULES = {
     ],
     "ex2_flash_bytes": [
         "bytes = s·(2Nd + 2Nd·T_r) + 4N per head, times B·H",
-        "T_r rounds up (N not a multiple of block_m)",
+        "T_r rounds up (N not a multiple of block_m), and an exact odd quotient adds no tile (N = 384, block_m = 128)",
         "log-sum-exp counted in fp32 whatever elem_bytes",
         "intensity = flop / nbytes",
         "ValueError for nbytes = 0 and nbytes < 0",
@@ -25,12 +25,13 @@ RULES = {
         "roof = min(peak, I·bandwidth/1e12) in TFLOP/s",
         "elementwise on numpy arrays and pandas Series",
         "bandwidth multiplies the intensity before the min (a 2 TB/s machine)",
-        "returns a numpy array (a number for a number), not a torch tensor or a list (the roofline cell compares it with a Series)",
-        "'memory' below the ridge peak/bandwidth, 'compute' at and above it",
+        "returns a numpy array (a number for a number), not a torch tensor, a list or a Series (the roofline cell compares it with a Series)",
+        "intensities that are not whole numbers (I = 2.5)",
+        "'memory' below the ridge peak/bandwidth, 'compute' at and above it (a 1 TB/s and a 2 TB/s machine)",
         "no labkit",
     ],
     "ex4_predictor": [
-        "design matrix columns and causal factor 0.5 on the first two",
+        "design matrix columns and causal factor 0.5 on the first two; a GPU-sized row (4BHN^2d ~ 3.5e13) without int32 overflow",
         "exact data: fit reproduces y and the coefficients",
         "noisy data over three decades: the fit reaches the least relative squared error",
         "MAPE in percent over |true|, for lists, arrays and Series",
@@ -98,6 +99,16 @@ MISTAKES = {
     ],
 }
 
+MISTAKES["ex2_flash_bytes"] += [("ceil written as round(N / block_m + 0.5)", "math.ceil(N / block_m)", "round(N / block_m + 0.5)")]
+MISTAKES["ex3_roofline"] += [
+    ("a Series returned (np.asarray dropped)", "np.asarray(intensity, dtype=float) * bandwidth / 1e12", "intensity * bandwidth / 1e12"),
+    ("intensity cast to int", "np.asarray(intensity, dtype=float)", "np.asarray(intensity, dtype=int)"),
+    ("ridge = peak (bandwidth taken as 1 TB/s)", "intensity < peak_tflops * 1e12 / bandwidth", "intensity < peak_tflops"),
+    ("ridge = peak x bandwidth", "peak_tflops * 1e12 / bandwidth", "peak_tflops * bandwidth / 1e12"),
+    ("ridge hard-coded to the toy machine's 100", "intensity < peak_tflops * 1e12 / bandwidth", "intensity < 100"),
+]
+MISTAKES["ex4_predictor"] += [("int32 columns (overflow)", "df[k].to_numpy(dtype=float)", "df[k].to_numpy(dtype=np.int32)")]
+
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}
 
@@ -107,7 +118,8 @@ FITTED = {
     "ex2_flash_bytes": [("ceil written as (N + 63) // block_m (visible block 64)", "math.ceil(N / block_m)", "(N + 63) // block_m"),
                         ("ceil only for the visible block sizes 64 and 128", "tiles = math.ceil(N / block_m)",
                          "tiles = math.ceil(N / block_m) if block_m in (64, 128) else N // block_m")],
-    "ex3_roofline": [("ridge hard-coded to the toy machine's 100", "intensity < peak_tflops * 1e12 / bandwidth", "intensity < 100")],
+    "ex3_roofline": [("ridge right only for the visible 1 and 2 TB/s machines", "intensity < peak_tflops * 1e12 / bandwidth",
+                      "intensity < (peak_tflops * 1e12 / bandwidth if bandwidth in (1e12, 2e12) else peak_tflops)")],
     "ex4_predictor": [("columns taken by position (every visible frame starts with B, H, N, D)",
                        'B, H, N, D = (df[k].to_numpy(dtype=float) for k in "BHND")',
                        "B, H, N, D = (df.iloc[:, i].to_numpy(dtype=float) for i in range(4))")],

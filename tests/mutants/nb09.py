@@ -10,6 +10,8 @@ RULES = {
         "o and lse vs flex_attention (eager, float64): no mods with N_q != N_k, a score_mod on the scaled scores, "
         "the scale argument, causal, a score_mod and a mask_mod that read b and h",
         "the mask applied after score_mod (soft-capping + causal)",
+        "each row's own max, taken after the mask: rows 1000 apart whose hidden keys score highest",
+        "bf16: o rounded once (equal to the float64 answer rounded to bf16, up to 8 ties)",
         "rows that see no key: o = 0, lse = -inf, no NaN",
         "bf16 in -> o bf16, lse fp32 [B, H, N_q]",
         "precision (2x rule vs float64 flex_attention, against flex_attention in that dtype): o and lse for bf16 "
@@ -26,7 +28,8 @@ RULES = {
     "ex3_score_mods": [
         "alibi_slopes(8) = 1/2 ... 1/256 as an fp32 tensor; alibi_slopes(4) and (16) by the formula (not H = 8's table)",
         "ALiBi bias slopes[h] * (kv_idx - q_idx) on a grid of 2 batches x 8 heads (per head, sign)",
-        "softcap: cap * tanh(score / cap) at small and large scores (not a clamp, not tanh(score))",
+        "softcap: cap * tanh(score / cap) at small and large scores (not a clamp, not tanh(score)); the score passed in "
+        "is left unchanged (a pure function)",
         "both run inside flex_attention with causal (finite)",
     ],
     "ex4_block_lists": [
@@ -259,13 +262,26 @@ MISTAKES = {
 }
 
 # {(grade_id, mistake): why no visible check can catch it}: at most one per notebook
+MISTAKES["ex1_dense_reference"] += [
+    ("one max over the whole score tensor", "m = s.amax(dim=-1, keepdim=True)", "m = s.amax(dim=(-2, -1), keepdim=True)"),
+    ("row max taken before masking",
+     "    if mask_mod is not None:\n        s = s.masked_fill(~mask_mod(b, h, q_idx, kv_idx), float(\"-inf\"))\n"
+     "    m = s.amax(dim=-1, keepdim=True)\n",
+     "    m = s.amax(dim=-1, keepdim=True)\n    if mask_mod is not None:\n"
+     "        s = s.masked_fill(~mask_mod(b, h, q_idx, kv_idx), float(\"-inf\"))\n"),
+    ("P rounded to the input dtype before P V", "o = (p @ v.to(work))", "o = (p.to(q.dtype) @ v).to(work)"),
+    ("row max clamped at -1e4 instead of the -inf test", "m = torch.where(torch.isinf(m), torch.zeros_like(m), m)",
+     "m = m.clamp_min(-1e4)"),
+]
+MISTAKES["ex3_score_mods"] += [("softcap in place", "cap * torch.tanh(score / cap)", "score.div_(cap).tanh_().mul_(cap)")]
+
 HIDDEN_ONLY = {}
 
 # grade_id -> [(name, text, replacement)]: passes the visible tests, fails the hidden ones
 FITTED = {
     "ex1_dense_reference": [
-        ("row max clamped at -1e4 instead of the -inf test", "m = torch.where(torch.isinf(m), torch.zeros_like(m), m)",
-         "m = m.clamp_min(-1e4)"),
+        ("row max clamped at -2.5e4 (below every visible score) instead of the -inf test",
+         "m = torch.where(torch.isinf(m), torch.zeros_like(m), m)", "m = m.clamp_min(-2.5e4)"),
     ],
     "ex2_mask_mods": [
         ("window fixed at 3 for w > 0", "(q_idx - kv_idx <= window)", "(q_idx - kv_idx <= min(window, 3))"),
