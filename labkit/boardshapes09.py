@@ -137,8 +137,7 @@ def kept_scores(mask_mod, N: int, device, chunk: int = 1024) -> int:
                for i in range(0, N, chunk))
 
 
-PASS_FLOPS = {"fwd": 1.0, "fwd+bwd": 3.5}   # the course's count (lk.attention.flops): the backward does 2.5x
-PASS_KEYS = {"fwd": "fwd", "fwd+bwd": "fwd_bwd"}   # the board's score columns, named as 06's
+PASS_KEYS = {"fwd": "fwd", "fwd+bwd": "fwd_bwd"}   # flexbench's passes -> the board's score columns, named as 06's
 
 
 def scores(ok, work: dict, peak: float) -> dict:
@@ -157,7 +156,7 @@ def scores(ok, work: dict, peak: float) -> dict:
 
 
 def _time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
-    from . import bench, flexbench
+    from . import attention, bench, flexbench
 
     fn, bwd, kept, H, d = ns["sparse_attention"], ns["sparse_attention_backward"], {}, TIMED["H"], TIMED["d"]
     cases = [dict(c, rule=lambda N, c=c: rule(c["kind"], c.get("window", 0), _ids(c, N, device)),
@@ -200,7 +199,8 @@ def _time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
             for n in TIMED["seq_lens"] for c in cases}
     peak = bench.matmul_peak_tflops(device=device, dtype=torch.bfloat16, n=common.PEAK_N)
     ok = sweep[sweep["status"] == "ok"].copy()
-    ok["tflops"] = [work[(n, mask)] * PASS_FLOPS[p] / (ms * 1e-3) / 1e12
+    per_pass = {p: attention.flops(1, 1, 1, 1, mode=key) / attention.flops(1, 1, 1, 1) for p, key in PASS_KEYS.items()}
+    ok["tflops"] = [work[(n, mask)] * per_pass[p] / (ms * 1e-3) / 1e12
                     for n, mask, p, ms in zip(ok["N"], ok["mask"], ok["pass"], ok["ms"])]
     failed = sweep[sweep["status"] != "ok"]
     return {"peak_tflops": peak,
