@@ -53,7 +53,9 @@ def _kwargs(fn: Callable, **wanted) -> dict:
 
 
 def status_of(err: BaseException) -> str:
-    """One line for a table: the error's type and the first line of its message."""
+    """One line for a table: "oom" when memory ran out, else the error's type and the first line of its message."""
+    if measure.is_oom(err):
+        return "oom"
     first = str(err).splitlines()[0][:120] if str(err) else ""
     return f"{type(err).__name__}: {first}"
 
@@ -275,18 +277,28 @@ def density_speedup(df: pd.DataFrame, dense: str, sparse: str, backend: str = "m
 
 
 def block_mask_cost(rules: dict[str, Callable], N: int, *, reps: int = 5, device: str = "cuda") -> pd.DataFrame:
-    """Seconds of ``create_block_mask`` per rule at length N: the first call and the median of ``reps`` more."""
+    """Milliseconds of ``create_block_mask`` per rule at length N: the first call and the median of ``reps`` more.
+
+    Returns:
+        DataFrame: mask, N, first_ms, later_ms, status ("ok", or :func:`status_of` of the error, e.g. "oom": the
+        eager ``create_block_mask`` builds the whole [N, N] mask and int64 intermediates: N^2 + 8 N^2 bytes).
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows = []
     for name, rule in rules.items():
         times = []
-        for _ in range(reps + 1):
-            start = time.perf_counter()
-            create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        try:
+            for _ in range(reps + 1):
+                start = time.perf_counter()
+                create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        except Exception as err:  # noqa: BLE001 - out of memory at this N: a status, the other rules go on
+            rows.append(dict(mask=name, N=N, first_ms=float("nan"), later_ms=float("nan"), status=status_of(err)))
+            measure.free_memory()
+            continue
         later = sorted(times[1:])
-        rows.append(dict(mask=name, N=N, first_ms=times[0] * 1e3, later_ms=later[len(later) // 2] * 1e3))
+        rows.append(dict(mask=name, N=N, first_ms=times[0] * 1e3, later_ms=later[len(later) // 2] * 1e3, status="ok"))
     return pd.DataFrame(rows)

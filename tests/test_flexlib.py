@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import matplotlib
+import pandas as pd
 import pytest
 import torch
 
@@ -166,7 +167,17 @@ def test_sweep_notes_a_block_mask_that_could_not_be_built_and_goes_on():
 
     cases = [dict(name="huge", kind="causal", rule=lambda N: too_big)]
     df = flexbench.sweep(cases, {16: [256]}, mine=None, H=1, progress=False, device="cpu")
-    assert df["backend"].tolist() == ["create_block_mask"] and df["status"].str.contains("OutOfMemoryError").all()
+    assert df["backend"].tolist() == ["create_block_mask"] and (df["status"] == "oom").all()
+
+
+def test_block_mask_cost_times_each_rule_and_an_oom_rule_reads_oom():
+    def too_big(b, h, q_idx, kv_idx):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    df = flexbench.block_mask_cost({"causal": causal, "huge": too_big}, 256, reps=2, device="cpu")
+    rows = df.set_index("mask")
+    assert rows.loc["causal", "status"] == "ok" and rows.loc["causal", "first_ms"] > 0 < rows.loc["causal", "later_ms"]
+    assert rows.loc["huge", "status"] == "oom" and pd.isna(rows.loc["huge", "first_ms"])
 
 
 @pytest.mark.gpu
