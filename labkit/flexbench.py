@@ -15,7 +15,8 @@ forward (``pass`` "fwd") and the forward with its backward ("fwd+bwd": dq, dk, d
 
 Every call runs once before timing: a backend that fails (not installed, refused, out of memory) gets its
 error in ``status`` and the rest go on. Timings take turns (:func:`labkit.measure.time_interleaved`).
-:func:`block_mask_cost` times ``create_block_mask`` itself, the first call and later ones. :func:`fa4_varlen`
+:func:`build_block_mask` builds each block mask (compiled when the eager build runs out of memory);
+:func:`block_mask_cost` times the eager ``create_block_mask`` itself, the first call and later ones. :func:`fa4_varlen`
 and :func:`varlen_attend` are the packed (varlen) calls the notebook's training step uses too.
 
 Used in: 09_flex_attention.
@@ -189,6 +190,21 @@ def _calls(q, k, v, lists, case, N, bm, rule, *, mine, mine_backward, also, pass
     return calls, failed
 
 
+def build_block_mask(rule: Callable, N: int, device: str):
+    """``create_block_mask(rule)`` at length N (block 128), eagerly; compiled (``_compile=True``: the rule evaluated
+    block by block, the same lists) when the eager build, a whole [N, N] bool mask and int64 sums (9 N^2 bytes),
+    runs out of memory."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    try:
+        return create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK)
+    except Exception as err:  # noqa: BLE001 - only out of memory falls through to the compiled build
+        if not measure.is_oom(err):
+            raise
+    measure.free_memory()
+    return create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK, _compile=True)
+
+
 def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine: Callable,
           mine_backward: Callable | None = None, H: int = 16, d: int = 128, dtype=torch.bfloat16,
           target_ms: float = 30.0, dense_limit: int = 16384, also: dict[str, Callable] | None = None,
@@ -208,7 +224,6 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
         also: more of the notebook's forward variants, name -> a function called as ``mine`` is (e.g. a sink).
         device: "cuda"; "cpu" only to test the sweep itself (FlexAttention has no backward there).
     """
-    from torch.nn.attention.flex_attention import create_block_mask
     from tqdm.auto import tqdm
 
     _recompile_room()
@@ -221,8 +236,8 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
             for case in cases:
                 bar.set_postfix_str(f"d={hd} N={N} {case['name']}")
                 rule = case["rule"](N)
-                try:   # eager: the whole [N, N] mask is built (int64 intermediates for a window: 8 N^2 bytes)
-                    bm = create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK)
+                try:
+                    bm = build_block_mask(rule, N, device)
                 except Exception as err:  # noqa: BLE001 - out of memory at this N: a status, the sweep goes on
                     rows += [dict(d=hd, N=N, mask=case["name"], density=float("nan"), backend="create_block_mask",
                                   **{"pass": p}, ms=float("nan"), first_call_s=0.0, status=status_of(err))

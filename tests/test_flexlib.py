@@ -161,13 +161,41 @@ def test_sweep_on_a_cpu_gives_a_row_per_backend_and_pass_with_a_status(monkeypat
     assert df.groupby("mask")["density"].first()["2 documents"] < df.groupby("mask")["density"].first()["causal"]
 
 
-def test_sweep_notes_a_block_mask_that_could_not_be_built_and_goes_on():
-    def too_big(b, h, q_idx, kv_idx):
+def test_sweep_notes_a_block_mask_that_could_not_be_built_and_goes_on(monkeypatch):
+    def too_big(rule, N, device):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    cases = [dict(name="huge", kind="causal", rule=lambda N: too_big)]
+    monkeypatch.setattr(flexbench, "build_block_mask", too_big)
+    cases = [dict(name="huge", kind="causal", rule=lambda N: causal)]
     df = flexbench.sweep(cases, {16: [256]}, mine=None, H=1, progress=False, device="cpu")
     assert df["backend"].tolist() == ["create_block_mask"] and (df["status"] == "oom").all()
+
+
+def test_build_block_mask_compiles_only_when_the_eager_build_runs_out_of_memory(monkeypatch):
+    import torch.nn.attention.flex_attention as fa
+
+    real, calls = fa.create_block_mask, []
+
+    def eager_too_big(rule, B, H, Nq, Nk, device, BLOCK_SIZE, _compile=False):
+        calls.append(_compile)
+        if not _compile:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real(rule, B, H, Nq, Nk, device=device, BLOCK_SIZE=BLOCK_SIZE)   # stands in for the compiled build
+
+    assert flexbench.build_block_mask(causal, 256, "cpu").kv_num_blocks.shape[-1] == 2 and calls == []
+    monkeypatch.setattr(fa, "create_block_mask", eager_too_big)
+    bm = flexbench.build_block_mask(causal, 384, "cpu")
+    assert calls == [False, True] and bm.full_kv_num_blocks[0, 0].tolist() == [0, 1, 2]
+
+    def broken(rule, B, H, Nq, Nk, device, BLOCK_SIZE, _compile=False):
+        calls.append(_compile)
+        raise ValueError("a rule with a bug")
+
+    monkeypatch.setattr(fa, "create_block_mask", broken)
+    calls.clear()
+    with pytest.raises(ValueError, match="bug"):   # only out of memory falls through to the compiled build
+        flexbench.build_block_mask(causal, 256, "cpu")
+    assert calls == [False]
 
 
 def test_block_mask_cost_times_each_rule_and_an_oom_rule_reads_oom():
