@@ -57,7 +57,12 @@ def check_scalar(actual, expected: float, *, name: str, rel: float = 1e-6, abs_t
     if isinstance(actual, bool) or not isinstance(actual, numbers.Real):  # numpy scalars are Real
         _fail(name, f"應回傳一個數字，卻得到 {type(actual).__name__}。", hint)
     if not math.isclose(float(actual), float(expected), rel_tol=rel, abs_tol=abs_tol):
-        _fail(name, f"應為 {expected:.6g}，卻得到 {float(actual):.6g}。", hint)
+        _fail(name, f"應為 {_shown(expected)}，卻得到 {_shown(actual)}。", hint)
+
+
+def _shown(x) -> str:
+    """A number for a message: whole numbers exactly (an off-by-one stays visible), others to 6 digits."""
+    return f"{int(x):,}" if float(x).is_integer() and abs(x) < 2**63 else f"{float(x):.6g}"
 
 
 def fill_freed_memory(*like: torch.Tensor, copies: int = 4) -> None:

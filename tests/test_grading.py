@@ -96,6 +96,12 @@ def test_check_scalar_tolerances():
     assert "應為 1" in msg and "1.2" in msg and "FLOPs 要乘 4" in msg
 
 
+def test_check_scalar_shows_whole_numbers_exactly():
+    msg = fails(G.check_scalar, 3009731, 3009730, name="s", rel=0)   # %g would print both as 3.00973e+06
+    assert "應為 3,009,730" in msg and "卻得到 3,009,731" in msg
+    assert "0.333333" in fails(G.check_scalar, 1 / 3, 0.5, name="s", rel=0)
+
+
 @pytest.mark.parametrize("value", ["2.0", None, True, torch.ones(2), [2.0]])
 def test_check_scalar_wrong_type(value):
     assert "應回傳一個數字" in fails(G.check_scalar, value, 2.0, name="s")

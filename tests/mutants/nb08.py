@@ -8,6 +8,7 @@ RULES = {
     "ex1_kv_calculator": ["bytes per token = 2 (K and V) x layers x H_kv x d x bytes per element",
                           "each factor on its own: K and V, layers, H_kv (not H_q), element size",
                           "longest context and largest batch rounded down; 0 when one token does not fit",
+                          "largest batch: 1.75 sequences fit -> 1 (floor, not round); none fits -> 0 (not at least 1)",
                           "Python ints, also for a float budget",
                           "batch sequences share the budget",
                           "no labkit"],
@@ -29,7 +30,7 @@ RULES = {
                           "precision in the compiled Triton IR (bf16 and fp16 launches): s, m, l, acc, the exp2 argument and "
                           "lse in fp32; a value converted to the input dtype only a tl.dot operand (p) or stored (o)"],
     "ex3_split_kernel": ["split count: ceil(SMs / (batch x H_kv)), capped at ceil(max_len / block), at least 1 "
-                         "(also when the SMs divide evenly)",
+                         "(also when the SMs divide evenly, and when max_len is a multiple of the block)",
                          "partials equal attention over each split's own keys: S = 1, S = 3 with a tail, GQA, d = 32",
                          "padded rows (g = 3 in 16) not written outside the partials",
                          "per-sequence lengths (0, shorter than a split, not a multiple of the block)",
@@ -63,6 +64,8 @@ RULES = {
                          "per-sequence lengths (0, not a multiple of the page); GQA; S = 1 and 3; page size != head size",
                          "only tokens within the length read; the loop stops at the length, not the chunk: page-table "
                          "padding (an invalid page id) not read (elements and load lanes counted)",
+                         "S = 3, lengths 96 and 20: each split walks its own pages only, from s * CHUNK to min((s + 1) * CHUNK, "
+                         "n_b) (load lanes counted, masked-off ones too)",
                          "64-bit offsets: no int32 overflow with page ids from 2^22 (interpreter)",
                          "precision: bf16 and fp16 o_s over 63 pages by the 2x rule (acc fp32); every score near -240 (fp32)",
                          "precision in the compiled Triton IR (bf16 and fp16 launches): the partials o_s, lse_s stored as fp32",
@@ -72,6 +75,12 @@ RULES = {
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
     "ex1_kv_calculator": [
+        ("largest batch rounded to the nearest integer",
+         "return int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))",
+         "return round(free_bytes / (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))"),
+        ("largest batch at least 1 (one sequence always served)",
+         "return int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))",
+         "return max(1, int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element))))"),
         ("K and V not both counted", "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
          "return layers * n_kv_heads * head_dim * bytes_per_element"),
         ("layers left out", "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
@@ -123,6 +132,8 @@ MISTAKES = {
     "ex3_split_kernel": [
         ("floor instead of ceil for the SM fill", "fill = -(-n_sms // (batch * n_kv_heads))", "fill = n_sms // (batch * n_kv_heads)"),
         ("no cap by the context length", "return max(1, min(fill, blocks))", "return max(1, fill)"),
+        ("cap by floor + 1 (one split too many when max_len is a multiple of the block)",
+         "blocks = -(-max_len // block_n)", "blocks = max_len // block_n + 1"),
         ("zero splits for an empty batch", "return max(1, min(fill, blocks))", "return min(fill, blocks)"),
         ("tail masked by the capacity N", "inside = offs_n < hi", "inside = offs_n < N"),
         ("every split starts at key 0", "lo = s * CHUNK", "lo = 0"),
@@ -197,6 +208,20 @@ MISTAKES = {
         ("page id not widened to 64 bits", "start // PAGE_SIZE).to(tl.int64)", "start // PAGE_SIZE)"),
         ("loop bounded by the chunk, not the length", "for start in range(lo, hi, PAGE_SIZE):",
          "for start in range(lo, lo + CHUNK, PAGE_SIZE):"),
+        ("each split loops on to the sequence's length", "for start in range(lo, hi, PAGE_SIZE):",
+         "for start in range(lo, n_b, PAGE_SIZE):"),
+        ("each split loops from page 0, masked down to its own keys",
+         "    for start in range(lo, hi, PAGE_SIZE):                                 # one page per step\n"
+         "        page = tl.load(table_ptr + b * MAX_PAGES + start // PAGE_SIZE).to(tl.int64)\n        inside = start + offs_p < hi\n",
+         "    for start in range(0, hi, PAGE_SIZE):\n"
+         "        page = tl.load(table_ptr + b * MAX_PAGES + start // PAGE_SIZE).to(tl.int64)\n"
+         "        inside = (start + offs_p >= lo) & (start + offs_p < hi)\n"),
+        ("each split loops over the whole sequence, masked down to its own keys",
+         "    for start in range(lo, hi, PAGE_SIZE):                                 # one page per step\n"
+         "        page = tl.load(table_ptr + b * MAX_PAGES + start // PAGE_SIZE).to(tl.int64)\n        inside = start + offs_p < hi\n",
+         "    for start in range(0, n_b, PAGE_SIZE):\n"
+         "        page = tl.load(table_ptr + b * MAX_PAGES + start // PAGE_SIZE).to(tl.int64)\n"
+         "        inside = (start + offs_p >= lo) & (start + offs_p < hi)\n"),
         ("page size and head size mixed", "offs_p = tl.arange(0, PAGE_SIZE)", "offs_p = tl.arange(0, HEAD_DIM)"),
         ("acc rounded to the input dtype every page", "        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, inside[None, :], qk_scale, PREC)\n    o, lse = _finish(acc, m_i, l_i)\n", "        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, inside[None, :], qk_scale, PREC)\n        acc = acc.to(k.dtype).to(tl.float32)\n    o, lse = _finish(acc, m_i, l_i)\n"),
         ("running max initialised to 0", 'm_i = tl.full([BLOCK_G], float("-inf"), tl.float32)', "m_i = tl.zeros([BLOCK_G], tl.float32)"),
@@ -223,7 +248,8 @@ FITTED = {
                            "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
     "ex3_split_kernel": [("table of the visible split counts", "return max(1, min(fill, blocks))",
                           "return {(1, 8, 4096, 132): 17, (1, 8, 4096, 128): 16, (16, 8, 4096, 132): 2, (4, 8, 4096, 132): 5,\n"
-                          "            (32, 8, 4096, 132): 1, (1, 8, 100, 132): 2, (1, 8, 0, 132): 1}[batch, n_kv_heads, max_len, n_sms]")],
+                          "            (32, 8, 4096, 132): 1, (1, 8, 100, 132): 2, (1, 8, 1024, 132): 16, (1, 8, 0, 132): 1}"
+                          "[batch, n_kv_heads, max_len, n_sms]")],
     "ex4_combine_kernel": [("head dim fixed at the visible 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)")],
     "ex5_page_allocator": [("page size fixed at the visible 4", "need = -(-(length + n) // self.page_size) - len(pages)",
                             "need = -(-(length + n) // 4) - len(pages)")],
