@@ -10,14 +10,15 @@ RULES = {
         "launches softmax_kernel; no torch.softmax / F.softmax / labkit",
         "rows of 50: masked tail read as -inf",
         "logits in the hundreds: max subtracted (no overflow)",
+        "every logit near -200: padded lanes read as -inf also in the max (no 0 / 0)",
         "bf16 in -> bf16 out, same shape",
-        "BLOCK = next_power_of_2(row length): rows of 50 and of 300 (launch recorded)",
+        "BLOCK = next_power_of_2(row length): rows of 50, of exactly 64 and of 300 (launch recorded)",
         "precision (2x rule vs float64, against torch.softmax in that dtype): bf16 and fp16 rows of 300",
         "precision in the compiled Triton IR (bf16 and fp16 launches): no arithmetic, exp or sum on bf16/fp16 values, "
         "a value converted to the input dtype only stored",
     ],
     "ex2_flash_forward": [
-        "_key_range alone: whole tiles unmasked, tail tile masked, causal tiles skipped, bottom-right alignment "
+        "_key_range alone: every whole tile unmasked (also N_k a multiple of the tile, and N = N_k + 1), tail tile masked, causal tiles skipped, bottom-right alignment "
         "(N = N_k, N < N_k, N > N_k), no off-by-one at N = 63, N_k = 64",
         "_fwd_tile alone: acc and l rescaled, rows that saw no key stay 0 (no NaN) and keep m = -inf, scores near 1e4",
         "padded query rows not stored (o, lse): _fwd_kernel launched by hand into outputs followed by spare rows, "
@@ -52,6 +53,8 @@ RULES = {
         "precision (2x rule vs float64 autograd, against autograd through plain attention in that dtype, plus the "
         "rounding of the exact gradient): dV, dK, dQ for bf16 and fp16, N = 70, N_k = 90, d = 32, causal",
         "D from bf16 O and dO stays fp32: _bwd_preprocess launched by hand against float64 row sums",
+        "the D and lse2 buffers are fp32 for bf16 inputs (launches recorded)",
+        "dO not contiguous (a transposed view): gradients vs fp64",
         "precision over many query tiles (2x rule): dV, dK, dQ for bf16 and fp16 at N = 4000 (250 tiles), N_k = 32: "
         "dK and dV kept fp32 in the loop",
         "the grids follow the tuned tiles: one backward with both kernels' configs swapped for 16 x 16",
@@ -73,9 +76,10 @@ RULES = {
     "ex5_gqa_window": [
         "launches _fwd_gqa_window_kernel; K/V not repeated in memory",
         "vs fp64: GQA without a window (also non-causal with N - 1 > N_k: every key seen), causal window, "
-        "non-causal symmetric window, causal N > N_k (no NaN)",
+        "non-causal symmetric window, causal N > N_k (no NaN), the last row's own key starting a key tile, "
+        "the first row's leftmost key ending one",
         "every score near -250 (fp32, GQA, causal window): the running max starts at -inf",
-        "64-bit head offsets (kernel launched by hand, head program id past 2^23, no int32 overflow)",
+        "64-bit head and K/V head offsets (kernel launched by hand, head program id past 2^24, no int32 overflow)",
         "fp32 inputs launch with PREC=\"ieee\" (launch recorded)",
         "bf16 and fp16 in -> o in q's dtype, lse fp32; both by the 2x rule (GQA, causal window, d = 32)",
         "only the key tiles inside the window read: load lanes of the kernel launched by hand (BLOCK_M = 32, "
@@ -86,7 +90,11 @@ RULES = {
 }
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
-MISTAKES = {'ex1_softmax': [('store unmasked (padding lanes written)',
+MISTAKES = {'ex1_softmax': [('row max over padded lanes read as 0', 'x = x - tl.max(x, axis=0)',
+                             'x = x - tl.max(tl.where(inside, x, 0.0), axis=0)'),
+                            ('BLOCK one power of 2 too large at an exact power',
+                             'BLOCK=triton.next_power_of_2(x2.shape[1])', 'BLOCK=1 << x2.shape[1].bit_length()'),
+                            ('store unmasked (padding lanes written)',
                              'tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=inside)',
                              'tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty))'),
                             ('no max subtraction', 'x = x - tl.max(x, axis=0)', 'x = x - 0.0'),
@@ -120,7 +128,11 @@ MISTAKES = {'ex1_softmax': [('store unmasked (padding lanes written)',
                     ('leading dims not flattened for the grid',
                      'softmax_kernel[(x2.shape[0],)]',
                      'softmax_kernel[(x.shape[0],)]')],
- 'ex2_flash_forward': [('o store unmasked (padded query rows written)', ', mask=offs_m[:, None] < N_Q)', ')'),
+ 'ex2_flash_forward': [('non-causal mid masks the last whole tile', 'mid = N_K // BLOCK_N * BLOCK_N',
+                        'mid = (N_K - 1) // BLOCK_N * BLOCK_N'),
+                       ('causal mid without the first row\'s own key', 'mid = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N',
+                        'mid = tl.maximum(start_m + shift, 0) // BLOCK_N * BLOCK_N'),
+                       ('o store unmasked (padded query rows written)', ', mask=offs_m[:, None] < N_Q)', ')'),
                        ('lse store unmasked', 'tl.store(lse_ptr + bh * N_Q + offs_m, lse, mask=offs_m < N_Q)',
                         'tl.store(lse_ptr + bh * N_Q + offs_m, lse)'),
                        ('causal tiles masked, not skipped',
@@ -217,7 +229,18 @@ MISTAKES = {'ex1_softmax': [('store unmasked (padding lanes written)',
                     ("q's head offset with N_K",
                      'q_ptrs = q_ptr + bh * N_Q * HEAD_DIM',
                      'q_ptrs = q_ptr + bh * N_K * HEAD_DIM')],
- 'ex3_flash_backward': [('dQ store unmasked (padded query rows written)',
+ 'ex3_flash_backward': [('_query_range mid one row too far', 'mid = tl.maximum(start_n + BLOCK_N - 1 - shift, 0)',
+                         'mid = tl.maximum(start_n + BLOCK_N - shift, 0)'),
+                        ('dO not made contiguous', 'q3, k3, v3, o3, do3 = (_as_heads(t) for t in (q, k, v, o, do))',
+                         'q3, k3, v3, o3 = (_as_heads(t) for t in (q, k, v, o))\n    do3 = do.reshape(-1, *do.shape[-2:])'),
+                        ('lse2 buffer in the input dtype', 'lse2 = torch.empty_like(delta)',
+                         'lse2 = torch.empty(bh, n, dtype=q.dtype, device=q.device)'),
+                        ('D buffer in the input dtype',
+                         'delta = torch.empty(bh, n, dtype=torch.float32, device=q.device)      # [BH, N] rowsum(dO * O)\n'
+                         '    lse2 = torch.empty_like(delta)',
+                         'delta = torch.empty(bh, n, dtype=q.dtype, device=q.device)\n'
+                         '    lse2 = torch.empty(bh, n, dtype=torch.float32, device=q.device)'),
+                        ('dQ store unmasked (padded query rows written)',
                          'tl.store(dq_ptr + offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])',
                          'tl.store(dq_ptr + offs, (dq * sm_scale).to(dq_ptr.dtype.element_ty))'),
                         ('dV store unmasked (padded keys written)',
@@ -349,7 +372,13 @@ MISTAKES = {'ex1_softmax': [('store unmasked (padding lanes written)',
                     ('dk and dv swapped',
                      'return dq, dk, dv, None',
                      'return dq, dv, dk, None')],
- 'ex5_gqa_window': [('K/V head by modulo', 'kv = bh // GROUP', 'kv = bh % (tl.num_programs(1) // GROUP)'),
+ 'ex5_gqa_window': [('window hi from the inclusive last key, not + 1',
+                     'hi = tl.minimum(start_m + BLOCK_M + (N_K - N_Q) + right, N_K)',
+                     'hi = tl.minimum(start_m + BLOCK_M - 1 + (N_K - N_Q) + right, N_K)'),
+                    ('window lo one key too far right', 'lo = tl.maximum(start_m + (N_K - N_Q) - WINDOW, 0) // BLOCK_N * BLOCK_N',
+                     'lo = tl.maximum(start_m + (N_K - N_Q) - WINDOW + 1, 0) // BLOCK_N * BLOCK_N'),
+                    ('K/V head from the 32-bit program id', 'kv = bh // GROUP ', 'kv = tl.program_id(1) // GROUP '),
+                    ('K/V head by modulo', 'kv = bh // GROUP', 'kv = bh % (tl.num_programs(1) // GROUP)'),
                     ('K/V repeated in memory',
                      '    q3, k3, v3 = _as_heads(q), _as_heads(k), _as_heads(v)\n',
                      '    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)\n'
