@@ -28,6 +28,7 @@ RULES = {
         "fp32 accumulator is close to the exact sum",
         "2x rule with bf16 and fp16 values into an fp32 accumulator (vs torch.sum in that dtype)",
         "Kahan keeps fp16 close to the exact sum",
+        "Kahan returns s itself (0.75, 6, 2048 in fp16 -> 2054), no final correction by c",
         "values cast to acc_dtype, then summed left to right (fp16 and bf16 accumulators)",
         "each value cast to acc_dtype before it is added (float32 values fp16 cannot hold; plain and Kahan)",
         "Kahan with s and c in acc_dtype at every step (the exact fp16 result on mixed signs and sizes)",
@@ -42,7 +43,10 @@ RULES = {
         "float64 inputs keep differences below fp32 resolution",
         "ValueError on an all-zero reference",
         "no element-wise division (reference containing 0)",
-        "a tiny but nonzero reference (float64, 1e-20) is not refused",
+        "a tiny but nonzero reference (float64, 1e-20) is not refused, and its cosine is 1 (no norm clamped at 1e-8)",
+        "an fp32 reference of 1e-30 is not zero: the norm and the zero test in float64",
+        "inputs of different dtypes each go straight to float64 (fp32 candidate vs fp16 reference)",
+        "any layout: a transposed (not contiguous) input",
         "the inputs are not modified (float64 inputs, where .double() does not copy)",
     ],
     "ex3_layernorm": [
@@ -59,7 +63,8 @@ RULES = {
         "every op during bf16 training (fp32 master weights, optimizer state, residual stream; amp_dtype for linear and flash)",
         "the same rules under fp16 AMP; without AMP (fp32) every op in fp32",
         "softmax / layernorm_stats / loss stay fp32 at inference; linear and flash_attention stay amp_dtype",
-        "weights and residual_stream at inference: fp32 or amp_dtype both accepted",
+        "weights and residual_stream at inference: fp32 or amp_dtype both accepted (bf16, fp16; only fp32 without AMP)",
+        "optimizer_state stays fp32 at inference",
         "ValueError (with a message) for flash_attention with fp32, at inference too",
         "ValueError for an unknown op",
     ],
@@ -68,6 +73,7 @@ RULES = {
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
     "ex1_accumulate": [
+        ("Kahan with a final correction s - c", "            s = s + v\n    return s", "            s = s + v\n    return s - c"),
         ("Kahan sign", "c = (t - s) - y", "c = (t - s) + y"),
         ("fp32 accumulator", "s = torch.zeros((), dtype=acc_dtype)", "s = torch.zeros((), dtype=torch.float32)"),
         ("fp32 compensation", "c = torch.zeros((), dtype=acc_dtype)", "c = torch.zeros((), dtype=torch.float32)"),
@@ -105,6 +111,13 @@ MISTAKES = {
          WIDE_SUM),
     ],
     "ex2_error_report": [
+        ("cosine by F.cosine_similarity (norms clamped at 1e-8)", "(c @ r / (c.norm() * r_norm)).item()",
+         "F.cosine_similarity(c, r, dim=0).item()"),
+        ("zero test on the norm in the input's dtype", "if r_norm == 0:", "if reference.norm() == 0:"),
+        ("candidate cast to the reference's dtype first", "c = candidate.detach().double().flatten()",
+         "c = candidate.detach().to(reference.dtype).double().flatten()"),
+        (".view(-1) instead of .flatten()", "c = candidate.detach().double().flatten()\n    r = reference.detach().double().flatten()",
+         "c = candidate.detach().double().view(-1)\n    r = reference.detach().double().view(-1)"),
         ("norms in the input dtype", "c = candidate.detach().double().flatten()", "c = candidate.detach().flatten()"),
         ("no float64 (float32)",
          "c = candidate.detach().double().flatten()\n    r = reference.detach().double().flatten()",
@@ -195,6 +208,10 @@ MISTAKES = {
          "from torch.nn.functional import layer_norm as ln\n    y = ln(x32, x.shape[-1:], weight.float(), bias.float(), eps)"),
     ],
     "ex4_policy": [
+        ("optimizer state in amp_dtype at inference", 'if op in ("weights", "residual_stream"):',
+         'if op in ("weights", "residual_stream", "optimizer_state"):'),
+        ("inference weights hard-coded to bf16", "return torch.float32 if training else amp_dtype",
+         "return torch.float32 if training else torch.bfloat16"),
         ("half-precision weights while training",
          "return torch.float32 if training else amp_dtype", "return amp_dtype"),
         ("training flag inverted",
