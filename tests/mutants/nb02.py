@@ -8,6 +8,7 @@ RULES = {
     "ex1_attention": [
         "own formula: no F.scaled_dot_product_attention, no labkit",
         "returns (out, None), out in [B, N, H, D]",
+        "the causal mask built on query's device (inputs on meta)",
         "uses the scaling passed; 1/sqrt(D) when None",
         "no mask for a non-causal module",
         "causal rule aligned bottom-right, N < Nk (decode) and N > Nk",
@@ -66,6 +67,8 @@ _EX1_SOFTMAX = "probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)"
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
     "ex1_attention": [
+        ("causal mask on the default device", "i = torch.arange(n, device=query.device).unsqueeze(1)\n        j = torch.arange(nk, device=query.device).unsqueeze(0)",
+         "i = torch.arange(n).unsqueeze(1)\n        j = torch.arange(nk).unsqueeze(0)"),
         ("causal mask aligned top-left", "keep = j <= i + (nk - n)", "keep = j <= i"),
         ("scaling argument ignored", "scale = d ** -0.5 if scaling is None else scaling", "scale = d ** -0.5"),
         ("[B, H, N, D] returned", "return out.transpose(1, 2), None", "return out, None"),

@@ -18,6 +18,7 @@ RULES = {
     "ex2_chunked_ce": [
         "loss and gradients (hidden, weight) equal the full cross-entropy in float64",
         "chunk_size that divides N, that does not, and larger than N",
+        "hidden[:, :-1] and targets[:, 1:] (views that are not contiguous)",
         "float64 inputs give a float64 scalar, float32 inputs a float32 one",
         "bf16 inputs: softmax and loss in float32 (dtype; 2x rule over 16 losses against float64, autocast as baseline)",
         "bf16 and fp16 inputs: a float32 loss and, by the 2x rule, the loss and d hidden (identity weight: the backward's "
@@ -33,6 +34,7 @@ RULES = {
     "ex3_extend_positions": [
         "a new nn.Embedding of shape (n_positions, h), num_embeddings = n_positions (the module replaced)",
         "row i = old row i mod P (80 positions from 32: not a multiple)",
+        "a refused call (n_positions <= P) changes nothing: config.n_positions and wpe kept",
         "logits of a short input unchanged; config.n_positions updated",
         "requires_grad kept (trainable and frozen tables)",
         "device kept (a model on the meta device) and dtype kept (bf16)",
@@ -42,6 +44,8 @@ RULES = {
     "ex4_rope": [
         "same shape and dtype returned (fp32, fp64, bf16, fp16)",
         "position 0 unrotated; norms kept",
+        "bf16 [1, 2, 4096, 64]: the rotation in fp32, rounded once (within 4 bf16 spacings of float64; cos, sin or products "
+        "rounded first give 20-30)",
         "rotate-half pairing (i, i + D/2) and its sign",
         "theta_i = base^(-2i/D) with the base argument",
         "float64 input computed in float64 (against a float64 reference)",
@@ -111,6 +115,8 @@ MISTAKES = {
          '    y = runs["saved_bytes"].to_numpy(dtype=float) + np.where(flash, lse * L * B * N * H, 0.0)'),
     ],
     "ex2_chunked_ce": [
+        (".view instead of .reshape (non-contiguous hidden)", "h = hidden.reshape(-1, hidden.shape[-1])",
+         "h = hidden.view(-1, hidden.shape[-1])"),
         ("mean over chunks", "return total / t.numel()", "return total / len(h.split(chunk_size))"),
         ("last, shorter chunk dropped", "zip(h.split(chunk_size), t.split(chunk_size))",
          "zip(h[: len(h) // chunk_size * chunk_size].split(chunk_size), "
@@ -143,6 +149,8 @@ MISTAKES = {
                            "ctx.save_for_backward(h, w, t, torch.cat(lses).to(h.dtype))")),
     ],
     "ex3_extend_positions": [
+        ("config changed before the check", "    if n_positions <= p:",
+         "    model.config.n_positions = n_positions\n    if n_positions <= p:"),
         ("floor instead of ceil", "old.repeat(-(-n_positions // p), 1)", "old.repeat(n_positions // p, 1)"),
         ("repeat_interleave instead of tiling", "old.repeat(-(-n_positions // p), 1)",
          "old.repeat_interleave(-(-n_positions // p), dim=0)"),
@@ -158,6 +166,12 @@ MISTAKES = {
         ("new table on the default device", "device=old.device, dtype=old.dtype)", "dtype=old.dtype)"),
     ],
     "ex4_rope": [
+        ("the rotation in the input dtype (only the angles in fp32)",
+         "return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)",
+         "return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1).to(x.dtype) * sin.to(x.dtype)"),
+        ("cos and sin tables rounded to the input dtype",
+         "cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)",
+         "cos, sin = torch.cat([angles.cos()] * 2, -1).to(x.dtype), torch.cat([angles.sin()] * 2, -1).to(x.dtype)"),
         ("rotate_half sign", "torch.cat([-x2, x1], dim=-1)", "torch.cat([x2, -x1], dim=-1)"),
         ("base ignored", "theta = base ** (", "theta = 10000.0 ** ("),
         ("exponent i/D instead of 2i/D", "-torch.arange(0, d, 2, dtype=acc, device=x.device) / d",
