@@ -211,12 +211,12 @@ MISTAKES = {
          'dq, doc, as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"),\n        as_i32("full_kv_indices"),',
          'dq, doc, as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"),\n        as_i32("full_q_indices"),'),
         ("partial blocks unmasked in dK/dV",
-         "                    keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (doc_q[:, None] == doc_k[None, :])\n"
-         "                p = tl.where(keep, p, 0.0)\n            dv = tl.dot(",
-         "                    keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (doc_q[:, None] == doc_k[None, :])\n"
+         "                    keep = keep & (offs_m[None, :] >= offs_n[:, None]) & (doc_q[None, :] == doc_k[:, None])\n"
+         "                pt = tl.where(keep, pt, 0.0)\n            dv = tl.dot(",
+         "                    keep = keep & (offs_m[None, :] >= offs_n[:, None]) & (doc_q[None, :] == doc_k[:, None])\n"
          "            dv = tl.dot("),
-        ("D left out (dS = P dP)", "            ds = p * (dp - delta[:, None])\n            dk = tl.dot(",
-         "            ds = p * dp\n            dk = tl.dot("),
+        ("D left out (dS = P dP)", "dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])",
+         "dst = pt * tl.dot(v, tl.trans(do), input_precision=PREC)"),
         ("dK not scaled", "(dk * sm_scale).to(dk_ptr.dtype.element_ty)", "dk.to(dk_ptr.dtype.element_ty)"),
         ("lse in natural-log units", "lse2 = (lse.float() * LOG2E).reshape(B * H, Nq).contiguous()",
          "lse2 = lse.float().reshape(B * H, Nq).contiguous()"),
@@ -224,10 +224,9 @@ MISTAKES = {
         ("D in the input dtype", "delta = (do.float() * o.float()).sum(dim=-1)", "delta = (do * o).sum(dim=-1).float()"),
         ("dV accumulator in the input dtype", "    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)\n",
          "    dv = tl.zeros([BLOCK_N, HEAD_DIM], v_ptr.dtype.element_ty)\n"),
-        ("dQ kernel reads every key block", "        for j in range(0, count):\n            if part == 0:\n"
-         "                start_n = tl.load(full_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n            else:\n"
-         "                start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n",
-         "        for j in range(0, tl.cdiv(N_K, BLOCK_N) * part):\n            start_n = j * BLOCK_N\n"),
+        ("dQ kernel reads every key block",
+         "        for t in range(0, count * SPLIT):\n            start_n = tl.load(idx_ptr + t // SPLIT) * BLOCK_N",
+         "        for t in range(0, tl.cdiv(N_K, BLOCK_N) * SPLIT * part):\n            start_n = (t // SPLIT) * BLOCK_N"),
         ("32-bit head offsets (dK/dV kernel)", "    kb = tl.program_id(0)\n    bh = tl.program_id(1).to(tl.int64)\n",
          "    kb = tl.program_id(0)\n    bh = tl.program_id(1)\n"),
         ("32-bit head offsets (dQ kernel)", "    qb = tl.program_id(0)\n    bh = tl.program_id(1).to(tl.int64)\n",
@@ -240,10 +239,9 @@ MISTAKES = {
         ("bf16 launched with PREC=\"ieee\" too (backward)", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"',
          'PREC="ieee"'),
         ("dQ not scaled", "(dq * sm_scale).to(dq_ptr.dtype.element_ty)", "dq.to(dq_ptr.dtype.element_ty)"),
-        ("dS from P rounded to the input dtype (dK/dV)", "            ds = p * (dp - delta[:, None])\n            dk = tl.dot(",
-         "            ds = p.to(q.dtype).to(tl.float32) * (dp - delta[:, None])\n            dk = tl.dot("),
-        ("masked P set to -inf, not 0", "                p = tl.where(keep, p, 0.0)\n            dv = tl.dot(",
-         "                p = tl.where(keep, p, float(\"-inf\"))\n            dv = tl.dot("),
+        ("dS from P rounded to the input dtype (dK/dV)", "dst = pt * (tl.dot(v,", "dst = pt.to(qt.dtype).to(tl.float32) * (tl.dot(v,"),
+        ("masked P set to -inf, not 0", "                pt = tl.where(keep, pt, 0.0)\n            dv = tl.dot(",
+         "                pt = tl.where(keep, pt, float(\"-inf\"))\n            dv = tl.dot("),
         ("window off by one in dQ only",
          "(offs_m[:, None] - offs_n[None, :] <= WINDOW)\n                if MASK == 3:\n                    doc_k",
          "(offs_m[:, None] - offs_n[None, :] < WINDOW)\n                if MASK == 3:\n                    doc_k"),
@@ -301,8 +299,9 @@ FITTED = {
         ("batch of two summed by hand", "(p_sink * D).sum(dim=(0, 2))", "(p_sink[:2] * D[:2]).sum(dim=(0, 2))"),
     ],
     "ex7_sparse_backward": [
-        ("window rule written for w >= 4 (backward)", "if MASK == 2:\n                    keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (offs_m[:, None] - offs_n[None, :] <= WINDOW)\n                if MASK == 3:\n                    doc_q",
-         "if MASK == 2:\n                    keep = keep & (offs_m[:, None] >= offs_n[None, :]) & (offs_m[:, None] - offs_n[None, :] <= tl.maximum(WINDOW, 16))\n                if MASK == 3:\n                    doc_q"),
+        ("window rule written for w >= 4 (backward)",
+         "(offs_m[None, :] - offs_n[:, None] <= WINDOW)\n                if MASK == 3:\n                    doc_q",
+         "(offs_m[None, :] - offs_n[:, None] <= tl.maximum(WINDOW, 16))\n                if MASK == 3:\n                    doc_q"),
     ],
     "ex8_packing": [
         ("cu_seqlens for three documents", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[:4],'),
