@@ -19,8 +19,9 @@ GIB = 2**30
 
 
 # Peaks measured on H200s (torch 2.11, GPT-2 small, --checkpointing, bf16; cp-train): (N, P) -> GiB per GPU,
-# the largest rank's; 65,536 at P = 1, 2, 4 from 07's reference run (4x H200; P = 1 and 2 again on another 2x H200), 256K at P = 1, 2, 4 and 2M at
-# P = 4 from labkit/reference_runs/cp_train_h200.json (checked against it below).
+# the largest rank's; 65,536 at P = 1, 2, 4 from 07's reference run (4x H200; P = 1 and 2 again on two other 2x H200),
+# 128K at P = 1 and 2 again on the third, 256K at P = 1, 2, 4 and 2M at P = 4 from labkit/reference_runs/cp_train_h200.json
+# (checked against it below).
 MEASURED = {(131072, 1): 18.9, (262144, 1): 36.1, (524288, 1): 66.7,
             (131072, 2): 10.9, (262144, 2): 20.2, (1 << 20, 2): 69.0,
             (65536, 1): 10.24, (65536, 2): 6.26, (65536, 4): 5.21, (262144, 4): 12.03, (1 << 21, 4): 72.08}
@@ -69,9 +70,11 @@ def test_measured_points_are_the_stored_runs():
     stored = json.loads((Path(cpmem.__file__).parent / "reference_runs" / "cp_train_h200.json").read_text())
     one_host = stored["one_host_x4"]["runs"]   # the same points again on one 4-GPU host
     second = stored["second_x2"]["runs"]   # 65,536 at P = 1 and 2 again, on another 2-GPU machine
+    third = stored["third_x2"]["runs"]     # 65,536 and 131,072 at P = 1 and 2, on a third one
     runs = [(key, stored[key]) for key in ("s256_p1", "s256_p2", "s256_p4")] + \
            [(key, one_host[key]) for key in ("s256_p4", "reach_p4_2097152")] + \
-           [(key, second[key]) for key in ("s64_p1", "s64_p2")]
+           [(key, second[key]) for key in ("s64_p1", "s64_p2")] + \
+           [(key, third[key]) for key in ("s64_p1", "s64_p2", "s128_p1", "s128_p2")]
     for key, rows in runs:
         point = (rows[0]["N"], rows[0]["world"])
         assert max(r["peak_gib"] for r in rows) == pytest.approx(MEASURED[point], abs=0.05), (key, point)
