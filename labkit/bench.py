@@ -11,6 +11,7 @@ Used in: 01_setup_and_comparison, 04_performance_analysis.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -89,16 +90,17 @@ MIN_REPS = 5
 
 def _measure_group(rows: dict[str, dict], cfg: dict, *, causal: bool, mode: str, dtype, device,
                    target_ms: float, custom: dict[str, Callable]) -> None:
-    """Fill ``rows`` (one per backend, same configuration): error and extra memory per backend,
-    then their times, taken in turns of short blocks (:func:`time_interleaved`) so that a GPU clock
-    drifting during the group favours no backend."""
+    """Fill ``rows`` (one per backend, same configuration): the first call's seconds, error and extra
+    memory per backend, then their times, taken in turns of short blocks (:func:`time_interleaved`) so
+    that a GPU clock drifting during the group favours no backend."""
     calls = {}
     with torch.set_grad_enabled(mode == "fwd_bwd"):
         for name, row in rows.items():
             try:
                 call, q, k, v, layout = _attention_call(name, cfg, causal=causal, mode=mode, dtype=dtype,
                                                         device=device, fn=custom.get(name))
-                row["max_err"] = _sampled_error(call(), q, k, v, causal=causal, layout=layout)
+                o, row["first_call_s"] = _first_call(call, device)
+                row["max_err"] = _sampled_error(o, q, k, v, causal=causal, layout=layout)
                 row["extra_mib"] = peak_memory(call, device=device) / 2**20
                 calls[name], row["status"] = call, "ok"
             except _ROW_ERRORS as err:
@@ -112,6 +114,16 @@ def _measure_group(rows: dict[str, dict], cfg: dict, *, causal: bool, mode: str,
         rows[name].update(ms=t.median_ms, ms_p20=t.p20_ms, ms_p80=t.p80_ms, tflops=tflops(flop, t.median_ms))
 
 
+def _first_call(call: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
+    """(output, seconds) of a backend's first call on a configuration, synchronized: what a new shape costs
+    before it is timed (a JIT compile such as FA4's, a cuDNN plan, the allocator growing)."""
+    start = time.perf_counter()
+    out = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start
+
+
 def _sampled_error(o, q, k, v, *, causal: bool, layout: str, heads: int = 2) -> float:
     """Max error vs an fp32 reference on batch 0 and the first ``heads`` heads (keeps the
     reference's N x N scores small at long N)."""
@@ -120,7 +132,7 @@ def _sampled_error(o, q, k, v, *, causal: bool, layout: str, heads: int = 2) -> 
 
 
 SWEEP_COLUMNS = ["backend", "B", "H", "N", "D", "causal", "mode", "status", "ms", "ms_p20", "ms_p80",
-                 "tflops", "extra_mib", "max_err", "device", "dtype"]
+                 "tflops", "extra_mib", "max_err", "first_call_s", "device", "dtype"]
 
 
 def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = None,
@@ -144,7 +156,8 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
 
     Returns:
         DataFrame with columns backend, B, H, N, D, causal, mode, status ("ok", "oom" or the
-        error), ms, ms_p20, ms_p80, tflops, extra_mib, max_err, device, dtype.
+        error), ms, ms_p20, ms_p80, tflops, extra_mib, max_err, first_call_s (the first call on the
+        configuration, synchronized: compilation and allocation included; not part of ms), device, dtype.
     """
     from tqdm.auto import tqdm
 

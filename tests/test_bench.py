@@ -11,7 +11,7 @@ import labkit as lk
 
 B_ = lk.bench
 DOC_COLUMNS = ["backend", "B", "H", "N", "D", "causal", "mode", "status", "ms", "ms_p20", "ms_p80",
-               "tflops", "extra_mib", "max_err", "device", "dtype"]
+               "tflops", "extra_mib", "max_err", "first_call_s", "device", "dtype"]
 
 
 def test_tflops():
@@ -86,6 +86,7 @@ def test_attention_sweep_cpu_default_backends():
     assert (df["ms_p20"] <= df["ms"]).all() and (df["ms"] <= df["ms_p80"]).all() and (df["ms"] > 0).all()
     assert (df["tflops"] > 0).all() and (df["max_err"] < 1e-5).all()  # fp32 vs fp32 reference
     assert df["extra_mib"].isna().all(), "no allocator statistics on a CPU"
+    assert (df["first_call_s"] > 0).all() and (df["first_call_s"] < 60).all()
     assert (df["device"] == lk.env.device_info("cpu").name).all() and (df["dtype"] == "float32").all()
     row = df[(df["N"] == 64) & (df["causal"]) & (df["mode"] == "fwd_bwd")].iloc[0]
     flop = lk.attention.flops(row["B"], row["H"], 64, 16, causal=True, mode="fwd_bwd")
@@ -208,6 +209,23 @@ def test_attention_sweep_measures_custom_implementations_up_to_their_max_n():
     assert float(df[df["backend"] == "mine"]["max_err"].iloc[0]) < 1e-5
     assert (df[df["backend"] == "todo"]["status"] == "not implemented").all()
     assert len(df[df["backend"] == "sdpa_math"]) == 2
+
+
+def test_attention_sweep_first_call_holds_what_a_new_shape_costs_once():
+    """A backend that spends 0.2 s on the first call of each shape (a compile) shows it in first_call_s, not in ms."""
+    seen = set()
+
+    def compiles_once(q, k, v, causal):
+        if q.shape not in seen:
+            seen.add(q.shape)
+            time.sleep(0.2)
+        return lk.attention.reference_attention(q, k, v, causal=causal)[0]
+
+    df = lk.bench.attention_sweep(SMALL, backends=["sdpa_math"], custom={"jit": compiles_once}, modes=("fwd",),
+                                  causal=(False,), dtype=torch.float32, device="cpu", target_ms=1, progress=False)
+    jit, plain = df[df["backend"] == "jit"], df[df["backend"] == "sdpa_math"]
+    assert (jit["first_call_s"] >= 0.2).all() and (jit["ms"] < 100).all(), jit
+    assert (plain["first_call_s"] < 0.2).all() and len(jit) == len(SMALL)
 
 
 def test_attention_sweep_times_the_backends_of_one_configuration_in_turns():
