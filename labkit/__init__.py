@@ -6,7 +6,7 @@ Notebooks use ``import labkit as lk`` and reach each module as ``lk.env``, ``lk.
 from . import tritonmode
 
 tritonmode.apply_default()  # before any import of triton (torch._dynamo imports it): see labkit.tritonmode
-from . import amp, attention, bench, decode, doctor, env, explain, kernels, measure, gpt2, grading, hf_attention, hfcompat, levers, longctx, longdata, longmem, overhead, perfmodel, plots, precision, predictor, profiles, profiling, reference, rope, roofline, tritonbench, tritoncompile  # noqa: E402
+from . import amp, attention, bench, decode, doctor, env, explain, kernels, measure, gpt2, grading, hf_attention, hfcompat, levers, longctx, longdata, longmem, overhead, perfmodel, plots, precision, predictor, profiles, profiling, reference, rope, roofline, tritonbench, tritonbounds, tritoncompile  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["amp", "attention", "bench", "decode", "doctor", "env", "explain", "kernels", "measure", "gpt2", "grading", "hf_attention", "hfcompat", "levers", "longctx", "longdata", "longmem", "overhead", "perfmodel", "plots", "precision", "predictor", "profiles", "profiling", "reference", "rope", "roofline", "tritonbench", "tritoncompile", "tritonmode"]
+__all__ = ["amp", "attention", "bench", "decode", "doctor", "env", "explain", "kernels", "measure", "gpt2", "grading", "hf_attention", "hfcompat", "levers", "longctx", "longdata", "longmem", "overhead", "perfmodel", "plots", "precision", "predictor", "profiles", "profiling", "reference", "rope", "roofline", "tritonbench", "tritonbounds", "tritoncompile", "tritonmode"]

@@ -173,11 +173,16 @@ def _explain(error: str, arch: int) -> str:
 
 
 def _distinct(launches: list[Launch], by_types: bool) -> dict:
-    """The first launch of each kernel (``by_types``: of each kernel and tensor argument types), in order."""
+    """The first launch of each kernel (``by_types``: of each kernel, tensor argument types and constexpr values,
+    so a branch that only another constexpr reaches, a kernel without its sink say, is compiled too), in order."""
     first: dict = {}
     for launch in launches:
-        types = tuple(_arg_type(v) for v in launch.args.values() if isinstance(v, torch.Tensor)) if by_types else ()
-        first.setdefault((launch.fn, types), launch)
+        key = (launch.fn,)
+        if by_types:
+            params = inspect.signature(launch.fn).parameters
+            key += (tuple(_arg_type(v) for v in launch.args.values() if isinstance(v, torch.Tensor)),
+                    tuple(repr(launch.args.get(n)) for n, p in params.items() if "constexpr" in str(p.annotation)))
+        first.setdefault(key, launch)
     return first
 
 
@@ -192,7 +197,8 @@ def compile_launches(launches: list[Launch], archs=(80, 90), config: dict | None
             "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}``: the tiles a GPU would use, where the
             recorded launch had the interpreter's small ones. Keys a kernel lacks are ignored.
         ttir_only: run the frontend only (Triton IR: no PTX, much faster than a compile), once per
-            kernel and distinct argument types (a bf16 and an fp16 launch both), and fill ``low_precision``.
+            kernel, distinct argument types and constexpr values (a bf16 and an fp16 launch both, a
+            causal and a windowed one both), and fill ``low_precision``.
 
     Returns:
         One :class:`Report` per kernel and arch, in launch order; a kernel the compiler refuses gets
@@ -201,7 +207,8 @@ def compile_launches(launches: list[Launch], archs=(80, 90), config: dict | None
     config = dict(config or {})
     first = _distinct(launches, ttir_only)
     jobs = []
-    for (fn, _), launch in first.items():
+    for launch in first.values():
+        fn = launch.fn
         params = inspect.signature(fn).parameters
         signature, constexprs = {}, {}
         for name, param in params.items():
@@ -216,7 +223,7 @@ def compile_launches(launches: list[Launch], archs=(80, 90), config: dict | None
     if not jobs:
         return []
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    kernels = list(dict.fromkeys(fn for fn, _ in first))
+    kernels = list(dict.fromkeys(launch.fn for launch in first.values()))
     job = {"source": _module_source(kernels), "kernels": jobs, "archs": list(archs), "ttir_only": ttir_only}
     done = subprocess.run([sys.executable, str(WORKER)], input=json.dumps(job), capture_output=True, text=True,
                           env=env, timeout=timeout)

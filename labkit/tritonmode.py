@@ -8,14 +8,14 @@ imports triton, and a notebook calls :func:`setup` to check it. The same kernel 
 CPU tensors through numpy (grading, CI, laptops) and on CUDA tensors as GPU code; :func:`device` is
 where the kernels' tensors must live.
 
-Three probes serve the tests of a student's kernels:
+Two probes serve the tests of a student's kernels:
 
 - :func:`launches` counts the kernel launches of functions defined in the notebook (``__main__``),
   so an answer that never launches a Triton kernel (PyTorch only) is caught.
 - :func:`loaded_elements` counts the elements the interpreter loads, so skipping work (a causal
   tile skipped, not just masked) is visible on a CPU.
-- :func:`int32_overflows` drives a kernel with offsets past 2^31 elements on tiny tensors and counts
-  int32 overflow, so 32-bit address arithmetic is visible on a CPU.
+
+Addresses out of range (int32 offsets, loads and stores past a tensor's end): :mod:`labkit.tritonbounds`.
 
 :func:`setup` also makes a launch of an autotuned kernel that passes a tuned meta-parameter
 (``BLOCK_M=...``) fail with a message naming the cause.
@@ -273,47 +273,3 @@ def loaded_elements() -> Iterator[collections.Counter]:
         yield counts
     finally:
         del interpreter_builder.create_masked_load  # the class's method again
-
-
-@contextlib.contextmanager
-def int32_overflows(keep: tuple = (), pid_offset: tuple = (0, 0, 0)) -> Iterator[collections.Counter]:
-    """Drive interpreted kernels with offsets past 2^31 elements on tiny tensors; count int32 overflows.
-
-    ``counts["overflows"]``: int32 +, - and * whose exact result does not fit in 32 bits (a GPU wraps
-    them silently: an address so computed points elsewhere). Loads and stores outside the tensors in
-    ``keep`` are skipped (a load gives 0): a kernel can be handed a capacity, page ids or sequence
-    indices (``pid_offset``, added to ``tl.program_id``) as large as a real cache's, with no memory behind.
-
-    Used in: 08_decode_attention (64-bit offsets of the decode kernels).
-    """
-    if current() != "interpreter":
-        raise RuntimeError("int32_overflows() runs the interpreter's kernels; set TRITON_INTERPRET=1.")
-    import numpy as np
-    from triton.runtime.interpreter import TensorHandle, interpreter_builder as ib
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in keep]
-    counts: collections.Counter = collections.Counter()
-    cls = type(ib)
-
-    def kept(mask, ptrs):
-        inside = np.zeros(np.shape(ptrs.data), dtype=bool)
-        for lo, hi in spans:
-            inside |= (ptrs.data >= lo) & (ptrs.data < hi)
-        return TensorHandle(mask.data & inside, mask.dtype)
-
-    def binary_op(lhs, rhs, op):
-        out = cls.binary_op(ib, lhs, rhs, op)
-        if op in (np.add, np.subtract, np.multiply) and out.data.dtype == np.int32:
-            exact = op(np.asarray(lhs.data, dtype=np.int64), np.asarray(rhs.data, dtype=np.int64))
-            counts["overflows"] += int(np.count_nonzero(exact != out.data))
-        return out
-
-    ib.binary_op = binary_op
-    ib.create_get_program_id = lambda axis: TensorHandle(
-        cls.create_get_program_id(ib, axis).data + np.int32(pid_offset[axis]), cls.create_get_program_id(ib, axis).dtype)
-    ib.create_masked_load = lambda ptrs, mask, *a: cls.create_masked_load(ib, ptrs, kept(mask, ptrs), *a)
-    ib.create_masked_store = lambda ptrs, value, mask, *a: cls.create_masked_store(ib, ptrs, value, kept(mask, ptrs), *a)
-    try:
-        yield counts
-    finally:
-        for name in ("binary_op", "create_get_program_id", "create_masked_load", "create_masked_store"):
-            del ib.__dict__[name]

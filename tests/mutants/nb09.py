@@ -49,13 +49,17 @@ RULES = {
         "full blocks skip the mask, partial blocks apply it (lists forged: every block full / every block partial)",
         "only the listed blocks read: interpreter's loaded elements between the K/V of the listed blocks and that "
         "plus q, ids and list entries (window 16, N = 128)",
+        "no load or store outside the tensors handed to the kernel, in every run above (tail blocks masked: K, V, "
+        "key ids by N_K; q, o, lse by N_Q)",
         "the sink: vs the reference with one more column (value 0); the identity o_sink = o * sigmoid(lse - sink); "
         "rows that see no key: o = 0 and lse = sink (with) or -inf (without), no NaN; B = 2: sink[bh % H] per head",
         "bf16 and fp16 in -> o in that dtype, lse fp32; o by the 2x rule at N = 128 (8 key blocks)",
-        "fp32 inputs launch with PREC=\"ieee\", bf16 inputs with \"tf32\" (launches recorded)",
+        "fp32 inputs launch with PREC=\"ieee\", bf16 and fp16 inputs with \"tf32\" (launches recorded)",
         "every score near -144 (fp32, causal N = 32): the running max starts at -inf, not 0 (no row read as empty)",
-        "fp32 statistics in the Triton IR of a bf16 launch",
-        "64-bit head offsets: the kernel launched by hand with the head's program id past 2^23 (no int32 overflow)",
+        "fp32 statistics in the Triton IR of bf16 launches of every branch (document mask with a sink; causal and "
+        "window without one)",
+        "64-bit head offsets: the kernel launched by hand with the head's program id past 2^27 (bh * N and bh * N * d "
+        "past 2^31; no int32 overflow)",
         "_sparse_fwd_kernel compiles for sm80 and sm90 (128 x 128 tiles, d = 64, bf16)",
     ],
     "ex6_sink_grad": [
@@ -68,14 +72,16 @@ RULES = {
         "dV, dK, dQ vs float64 autograd through dense attention with the same table (block 16, create_block_mask's "
         "lists): causal N = 64, a tail block (N = 72), window 20, documents N = 100, causal N_q = 40 != N_k = 72, "
         "B = 2 with head size 32 != block 16, a sink; outputs a kernel never writes read NaN",
-        "64-bit head offsets in both kernels: launched by hand with the head's program id past 2^23 (no int32 overflow)",
+        "no load or store outside the tensors handed to the kernels, in every run above (tail blocks masked)",
+        "64-bit head offsets in both kernels: launched by hand with the head's program id past 2^27 (lse and D offsets "
+        "too; no int32 overflow)",
         "dK/dV read the transposed (q_*) lists, dQ the kv lists; partial blocks masked (P = 0), full blocks not",
         "both kernels read only listed blocks (interpreter's loaded elements, window 16, N = 128)",
-        "fp32 inputs launch both kernels with PREC=\"ieee\", bf16 inputs with \"tf32\" (launches recorded)",
+        "fp32 inputs launch both kernels with PREC=\"ieee\", bf16 and fp16 inputs with \"tf32\" (launches recorded)",
         "D handed to the kernels in fp32: the recorded delta_ptr of a bf16 launch (d = 64) within 1e-4 of float64 row sums",
         "bf16 and fp16 in -> gradients in that dtype; dQ, dK, dV by the 2x rule (vs float64 autograd, against autograd "
         "through plain attention in that dtype), causal N = 64",
-        "fp32 accumulators and statistics in the Triton IR of a bf16 launch",
+        "fp32 accumulators and statistics in the Triton IR of bf16 launches (causal, window and document masks)",
         "both kernels compile for sm80 and sm90 (64 x 64 tiles, d = 64, bf16)",
     ],
     "ex8_packing": [
@@ -193,6 +199,21 @@ MISTAKES = {
          "& (doc_q[:, None] >= doc_k[None, :])"),
         ("key document id read once per block", "doc_k = tl.load(doc_ptr + offs_n, mask=inside, other=-2)",
          "doc_k = tl.load(doc_ptr + start_n + 0 * offs_n)"),
+        ("running max in the input dtype (no sink)", '        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)\n',
+         '        m_i = tl.full([BLOCK_M], float("-inf"), q_ptr.dtype.element_ty)\n'),
+        ("running sum in the input dtype (no sink)", "        l_i = tl.zeros([BLOCK_M], tl.float32)\n",
+         "        l_i = tl.zeros([BLOCK_M], q_ptr.dtype.element_ty)\n"),
+        ("lse offset from the 32-bit program id", "tl.store(lse_ptr + bh * N_Q + offs_m, lse, mask=offs_m < N_Q)",
+         "tl.store(lse_ptr + tl.program_id(1) * N_Q + offs_m, lse, mask=offs_m < N_Q)"),
+        ("K of a partial block loaded past N_K (keep hides it)",
+         "kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=inside[None, :], other=0.0)",
+         "kt = tl.load(k_base + offs_n[None, :] * HEAD_DIM + offs_d[:, None])"),
+        ("o stored without the row bound", "(acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=offs_m[:, None] < N_Q)",
+         "(acc / l_safe[:, None]).to(o_ptr.dtype.element_ty))"),
+        ("lse stored without the row bound", "tl.store(lse_ptr + bh * N_Q + offs_m, lse, mask=offs_m < N_Q)",
+         "tl.store(lse_ptr + bh * N_Q + offs_m, lse)"),
+        ("fp16 launched with PREC=\"ieee\"", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"',
+         'PREC="tf32" if q.dtype == torch.bfloat16 else "ieee"'),
     ],
     "ex6_sink_grad": [
         ("sign flipped", "return -(p_sink * D).sum(dim=(0, 2))", "return (p_sink * D).sum(dim=(0, 2))"),
@@ -245,6 +266,28 @@ MISTAKES = {
         ("window off by one in dQ only",
          "(offs_m[:, None] - offs_n[None, :] <= WINDOW)\n                if MASK == 3:\n                    doc_k",
          "(offs_m[:, None] - offs_n[None, :] < WINDOW)\n                if MASK == 3:\n                    doc_k"),
+        ("lse and D offsets from the 32-bit program id (dQ kernel)",
+         "    lse2 = tl.load(lse2_ptr + bh * N_Q + offs_m, mask=rows, other=0.0)\n"
+         "    delta = tl.load(delta_ptr + bh * N_Q + offs_m, mask=rows, other=0.0)\n",
+         "    lse2 = tl.load(lse2_ptr + tl.program_id(1) * N_Q + offs_m, mask=rows, other=0.0)\n"
+         "    delta = tl.load(delta_ptr + tl.program_id(1) * N_Q + offs_m, mask=rows, other=0.0)\n"),
+        ("lse and D offsets from the 32-bit program id (dK/dV kernel)",
+         "            lse2 = tl.load(lse2_ptr + bh * N_Q + offs_m, mask=rows, other=0.0)\n"
+         "            delta = tl.load(delta_ptr + bh * N_Q + offs_m, mask=rows, other=0.0)\n",
+         "            lse2 = tl.load(lse2_ptr + tl.program_id(1) * N_Q + offs_m, mask=rows, other=0.0)\n"
+         "            delta = tl.load(delta_ptr + tl.program_id(1) * N_Q + offs_m, mask=rows, other=0.0)\n"),
+        ("query document ids in dK/dV loaded past N_Q",
+         "                    doc_q = tl.load(doc_ptr + offs_m, mask=rows, other=-1)",
+         "                    doc_q = tl.load(doc_ptr + offs_m)"),
+        ("dQ stored without the row bound", "(dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None])",
+         "(dq * sm_scale).to(dq_ptr.dtype.element_ty))"),
+        ("dK and dV stored without the key bound",
+         "    tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=offs_n[:, None] < N_K)\n"
+         "    tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=offs_n[:, None] < N_K)\n",
+         "    tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty))\n"
+         "    tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty))\n"),
+        ("fp16 launched with PREC=\"ieee\" (backward)", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"',
+         'PREC="tf32" if q.dtype == torch.bfloat16 else "ieee"'),
     ],
     "ex8_packing": [
         ("cu_seqlens without the leading 0", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[1:],'),
