@@ -16,8 +16,8 @@ skipped (such a load gives ``other``, such a store is dropped).
 :func:`int32_overflows` drives a kernel with offsets past 2^31 elements on tiny tensors and counts int32
 overflow, so 32-bit address arithmetic (``bh * N * d`` without ``.to(tl.int64)``) is visible on a CPU.
 
-Used in: 06_triton_flashattention, 08_decode_attention, 09_flex_attention (64-bit offsets; out-of-range
-loads and stores in exercises 5 and 7).
+Used in: 06_triton_flashattention, 08_decode_attention, 09_flex_attention (their kernels' tests: 64-bit
+offsets, and loads and stores kept inside the tensors).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from . import tritonmode
+from . import grading, tritonmode
 
 
 def spans(tensors: Iterable) -> list[tuple[int, int]]:
@@ -57,7 +57,6 @@ def outside_accesses(module: str = "__main__") -> Iterator[collections.Counter]:
         yield counts
         return
     from triton.runtime.interpreter import TensorHandle, interpreter_builder as ib
-    cls = type(ib)
     launch_spans: list[tuple[int, int]] = []
 
     def on_launch(fn, args, kwargs):
@@ -68,15 +67,27 @@ def outside_accesses(module: str = "__main__") -> Iterator[collections.Counter]:
         counts[kind] += int(np.count_nonzero(mask.data & ~inside))
         return TensorHandle(mask.data & inside, mask.dtype)
 
-    ib.create_masked_load = lambda ptrs, mask, *a: cls.create_masked_load(ib, ptrs, kept(mask, ptrs, "loads"), *a)
-    ib.create_masked_store = lambda ptrs, value, mask, *a: cls.create_masked_store(
-        ib, ptrs, value, kept(mask, ptrs, "stores"), *a)
+    names = ("create_masked_load", "create_masked_store")
+    saved = {name: ib.__dict__.get(name) for name in names}      # another probe's, restored on exit
+    load, store = ib.create_masked_load, ib.create_masked_store
+    ib.create_masked_load = lambda ptrs, mask, *a: load(ptrs, kept(mask, ptrs, "loads"), *a)
+    ib.create_masked_store = lambda ptrs, value, mask, *a: store(ptrs, value, kept(mask, ptrs, "stores"), *a)
     try:
         with tritonmode.watched_launches(on_launch, module):
             yield counts
     finally:
-        for name in ("create_masked_load", "create_masked_store"):
-            del ib.__dict__[name]
+        for name in names:
+            if saved[name] is None:
+                del ib.__dict__[name]
+            else:
+                ib.__dict__[name] = saved[name]
+
+
+def check_inside(counts: collections.Counter, *, name: str, hint: str) -> None:
+    """Test-cell check on :func:`outside_accesses`'s counts: no load or store left the tensors."""
+    grading.check_true(counts["loads"] == counts["stores"] == 0, name=name,
+                       detail=f"核心讀了 {counts['loads']} 個、寫了 {counts['stores']} 個落在傳入張量之外的元素（直譯器略過了"
+                              "它們；GPU 上越界的載入讀到別的資料，越界的儲存寫壞別的記憶體）。", hint=hint)
 
 
 @contextlib.contextmanager

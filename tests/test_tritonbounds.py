@@ -88,3 +88,16 @@ def test_int32_overflows_drives_offsets_past_2_31_on_tiny_tensors(wide):
     assert big["overflows"] == (0 if wide else 2) and out.tolist() == [16.0, 16.0]   # stores past out: skipped
     _row_sum[(2,)](x, out, 16, WIDE=wide)                                   # the probe is off again
     assert out.tolist() == [16.0, 16.0]
+
+
+def test_the_probe_nests_and_check_inside_names_the_counts():
+    x, out = torch.arange(20.0), torch.zeros(20)
+    with lk.tritonbounds.outside_accesses(module=__name__) as outer:
+        with lk.tritonbounds.outside_accesses(module=__name__) as inner:
+            _copy[(1,)](x, out, 20, MASK_LOAD=False, MASK_STORE=True, BLOCK=32)
+        _copy[(1,)](x, out, 20, MASK_LOAD=True, MASK_STORE=False, BLOCK=32)   # the inner one restored the outer's
+    assert (inner["loads"], inner["stores"]) == (12, 0), "the innermost probe sees the lanes first (and skips them)"
+    assert (outer["loads"], outer["stores"]) == (0, 12)
+    lk.tritonbounds.check_inside(inner.__class__(), name="nothing outside", hint="")
+    with pytest.raises(AssertionError, match="12"):
+        lk.tritonbounds.check_inside(outer, name="a store past the end", hint="mask=offs < n")

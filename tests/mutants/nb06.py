@@ -440,3 +440,25 @@ FITTED = {
     "ex5_gqa_window": [("window = 0 taken as no window (truthiness)", "window = n + nk if window is None else int(window)",
                         "window = n + nk if not window else int(window)")],
 }
+
+# Loads and stores past a tensor's end, which a value check misses (the extra keys' scores are masked afterwards) or
+# which corrupt the interpreter's heap: the visible tests run every kernel under lk.tritonbounds.outside_accesses.
+RULES["ex2_flash_forward"] += ["no load or store outside the tensors handed to the kernel (lk.tritonbounds), in every run of the staged tests"]
+RULES["ex3_flash_backward"] += ["no load or store outside the tensors handed to the kernel (lk.tritonbounds), in every run of the staged tests"]
+RULES["ex5_gqa_window"] += ["no load or store outside the tensors handed to the kernel (lk.tritonbounds), in every run of the staged tests"]
+MISTAKES["ex2_flash_forward"] += [
+    ("V of the tail tile loaded past N_K", "v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)", "v = tl.load(v_ptrs)"),
+    ("K and V of the tail tile masked one key too far (<=)",
+     "kt = tl.load(kt_ptrs, mask=inside[None, :], other=0.0)\n            v = tl.load(v_ptrs, mask=inside[:, None], other=0.0)",
+     "kt = tl.load(kt_ptrs, mask=(offs_n <= N_K)[None, :], other=0.0)\n"
+     "            v = tl.load(v_ptrs, mask=(offs_n <= N_K)[:, None], other=0.0)"),
+]
+MISTAKES["ex3_flash_backward"] += [
+    ("dQ kernel rows bounded by N_K",
+     "    rows = offs_m < N_Q\n    offs = bh * N_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]\n    q = tl.load",
+     "    rows = offs_m < N_K\n    offs = bh * N_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]\n    q = tl.load"),
+]
+MISTAKES["ex5_gqa_window"] += [
+    ("V tile loaded past N_K", "v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)",
+     "v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])"),
+]

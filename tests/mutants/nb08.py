@@ -256,3 +256,16 @@ FITTED = {
     "ex6_paged_kernel": [("head dim fixed at the visible 16 and 32", "offs_d = tl.arange(0, HEAD_DIM)",
                           "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
 }
+
+# A key tile loaded past the cache's end: the extra scores are masked afterwards, so the values stay right; the visible
+# tests run the kernels under lk.tritonbounds.outside_accesses.
+RULES["ex2_decode_kernel"] += ["no load or store outside the tensors handed to the kernel (lk.tritonbounds), in every run of the staged tests"]
+RULES["ex3_split_kernel"] += ["no load or store outside the tensors handed to the kernel (lk.tritonbounds), in every run of the staged tests"]
+MISTAKES["ex2_decode_kernel"] += [
+    ("K of the last tile loaded past N", "k = tl.load(k_ptr + kv_rows, mask=inside[:, None], other=0.0)",
+     "k = tl.load(k_ptr + kv_rows)"),
+]
+MISTAKES["ex3_split_kernel"] += [
+    ("K of a split's last tile loaded past its end", "k = tl.load(k_ptr + kv_rows, mask=inside[:, None], other=0.0)",
+     "k = tl.load(k_ptr + kv_rows)"),
+]
