@@ -73,8 +73,8 @@ RULES = {
         "lists): causal N = 64, a tail block (N = 72), window 20, documents N = 100, causal N_q = 40 != N_k = 72, "
         "B = 2 with head size 32 != block 16, a sink; outputs a kernel never writes read NaN",
         "no load or store outside the tensors handed to the kernels, in every run above (tail blocks masked)",
-        "64-bit head offsets in both kernels: launched by hand with the head's program id past 2^27 (lse and D offsets "
-        "too; no int32 overflow)",
+        "64-bit head offsets in both kernels (and the optional preprocess kernel where the wrapper launches it): "
+        "launched by hand with the head's program id past 2^27 (lse and D offsets too; no int32 overflow)",
         "dK/dV read the transposed (q_*) lists, dQ the kv lists; partial blocks masked (P = 0), full blocks not",
         "both kernels read only listed blocks (interpreter's loaded elements, window 16, N = 128)",
         "fp32 inputs launch both kernels with PREC=\"ieee\", bf16 and fp16 inputs with \"tf32\" (launches recorded)",
@@ -91,6 +91,13 @@ RULES = {
         "inputs through attention masked by document_ids",
     ],
 }
+
+# 09 exercise 7's D and lse2: the solution's preprocess launch (replaced by PyTorch in some mistakes below)
+PREPROCESS_LAUNCH = (
+    "delta = torch.empty(B * H, Nq, dtype=torch.float32, device=q.device)             # D = rowsum(dO o O), fp32\n"
+    "    lse2 = torch.empty_like(delta)                                                   # lse * log2(e)\n"
+    "    _sparse_bwd_preprocess[(triton.cdiv(Nq, 64), B * H)](_as_heads(o), do3, lse.float().reshape(B * H, Nq).contiguous(),\n"
+    "                                                         delta, lse2, Nq, HEAD_DIM=d, BLOCK_M=64)\n")
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
@@ -239,10 +246,24 @@ MISTAKES = {
         ("D left out (dS = P dP)", "dst = pt * (tl.dot(v, tl.trans(do), input_precision=PREC) - delta[None, :])",
          "dst = pt * tl.dot(v, tl.trans(do), input_precision=PREC)"),
         ("dK not scaled", "(dk * sm_scale).to(dk_ptr.dtype.element_ty)", "dk.to(dk_ptr.dtype.element_ty)"),
-        ("lse in natural-log units", "lse2 = (lse.float() * LOG2E).reshape(B * H, Nq).contiguous()",
-         "lse2 = lse.float().reshape(B * H, Nq).contiguous()"),
+        ("lse in natural-log units (preprocess kernel)",
+         "tl.store(lse2_ptr + bh * N_Q + offs_m, lse * 1.4426950408889634, mask=rows)",
+         "tl.store(lse2_ptr + bh * N_Q + offs_m, lse, mask=rows)"),
+        ("lse in natural-log units (D and lse2 from PyTorch)", PREPROCESS_LAUNCH,
+         "delta = (do.float() * o.float()).sum(dim=-1).reshape(B * H, Nq).contiguous()\n"
+         "    lse2 = lse.float().reshape(B * H, Nq).contiguous()\n"),
         ("tf32 for fp32 inputs (backward)", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"', 'PREC="tf32"'),
-        ("D in the input dtype", "delta = (do.float() * o.float()).sum(dim=-1)", "delta = (do * o).sum(dim=-1).float()"),
+        ("D in the input dtype (preprocess kernel)",
+         "    o = tl.load(o_ptr + offs, mask=rows[:, None], other=0.0).to(tl.float32)\n"
+         "    do = tl.load(do_ptr + offs, mask=rows[:, None], other=0.0).to(tl.float32)\n",
+         "    o = tl.load(o_ptr + offs, mask=rows[:, None], other=0.0)\n"
+         "    do = tl.load(do_ptr + offs, mask=rows[:, None], other=0.0)\n"),
+        ("D in the input dtype (D and lse2 from PyTorch)", PREPROCESS_LAUNCH,
+         "delta = (do * o).sum(dim=-1).float().reshape(B * H, Nq).contiguous()\n"
+         "    lse2 = (lse.float() * LOG2E).reshape(B * H, Nq).contiguous()\n"),
+        ("32-bit head offsets (preprocess kernel)",
+         "    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)\n    bh = tl.program_id(1).to(tl.int64)\n",
+         "    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)\n    bh = tl.program_id(1)\n"),
         ("dV accumulator in the input dtype", "    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)\n",
          "    dv = tl.zeros([BLOCK_N, HEAD_DIM], v_ptr.dtype.element_ty)\n"),
         ("dQ kernel reads every key block",
