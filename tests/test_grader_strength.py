@@ -10,7 +10,8 @@ first, then with the hidden tests (tests/notebook_grader.py, one namespace per n
 - every mistake fails a VISIBLE test (the student hears of it before submitting), except at most one
   per notebook, named in ``HIDDEN_ONLY`` with why, which must fail the full cell;
 - every answer fitted to the visible cases passes them and fails the hidden tests (they vary the
-  instances), and every exercise has one.
+  instances), and every exercise has one;
+- every right answer written another way that the prose allows (``ACCEPTED``) passes the whole cell.
 
 ``-rA`` (or ``-s``) shows the per-notebook table. The README's instructor table of rules is built
 from the same modules (:func:`rules_table`).
@@ -32,7 +33,7 @@ MIN_MISTAKES = 3
 
 @pytest.fixture(scope="module")
 def graded():
-    """notebook -> grade_id -> {"solution", "blank", ("mistake"|"fitted", name): outcome}, once per notebook."""
+    """notebook -> grade_id -> {"solution", "blank", ("mistake"|"fitted"|"accepted", name): outcome}, once per notebook."""
     cache = {}
 
     def grade(name: str) -> dict:
@@ -44,7 +45,8 @@ def graded():
             result = {}
             for e in items:
                 outcomes = {"solution": runner.grade(e, e.answer), "blank": runner.grade(e, e.blank)}
-                for kind, table in (("mistake", spec.MISTAKES), ("fitted", spec.FITTED)):
+                for kind, table in (("mistake", spec.MISTAKES), ("fitted", spec.FITTED),
+                                    ("accepted", getattr(spec, "ACCEPTED", {}))):
                     for what, old, new in table.get(e.grade_id, []):
                         outcomes[(kind, what)] = runner.grade(e, e.mutate(old, new))
                 result[e.grade_id] = outcomes
@@ -64,6 +66,7 @@ def test_every_exercise_states_its_rules_and_has_mistakes_and_a_fitted_answer(na
     thin = {gid: len(m) for gid, m in spec.MISTAKES.items() if len(m) < MIN_MISTAKES}
     assert not thin, f"{name}: fewer than {MIN_MISTAKES} mistakes for {thin}"
     assert all(spec.RULES[gid] and spec.FITTED[gid] for gid in ids)
+    assert set(getattr(spec, "ACCEPTED", {})) <= set(ids), f"{name}.ACCEPTED names an exercise that does not exist"
     assert len(spec.HIDDEN_ONLY) <= 1, f"{name}: at most one mistake may escape the visible tests"
     for gid, what in spec.HIDDEN_ONLY:
         assert what in {m[0] for m in spec.MISTAKES[gid]} and spec.HIDDEN_ONLY[(gid, what)].strip()
@@ -95,6 +98,14 @@ def test_answers_fitted_to_the_visible_cases_fail_the_hidden_tests(graded, name)
              for (kind, what), outcome in ((k, v) for k, v in outcomes.items() if isinstance(k, tuple))
              if kind == "fitted" and outcome != "hidden"]
     assert not wrong, f"{name} (fitted answers must pass the visible tests and fail the hidden ones): " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_right_answers_written_another_way_pass(graded, name):
+    wrong = [f"{gid}: {what!r} is {outcome}" for gid, outcomes in graded(name).items()
+             for (kind, what), outcome in ((k, v) for k, v in outcomes.items() if isinstance(k, tuple))
+             if kind == "accepted" and outcome != "passed"]
+    assert not wrong, f"{name} (answers the prose allows must pass the whole cell): " + "; ".join(wrong)
 
 
 def test_report_table(graded):

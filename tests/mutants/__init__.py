@@ -12,6 +12,8 @@ One module per notebook (``nbNN.py``), each with the same names:
 - ``FITTED``: grade_id -> [(name, text, replacement)]: answers fitted to the visible cases (a constant,
   a shape special-cased); they pass the visible tests and must fail the hidden ones, which vary the
   instances.
+- ``ACCEPTED`` (optional): grade_id -> [(name, text, replacement)]: right answers written another way that the
+  prose allows (e.g. 09's D from PyTorch instead of a preprocess kernel); each must pass the whole test cell.
 
 Used in: tests/test_grader_strength.py.
 """
