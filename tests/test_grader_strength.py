@@ -56,6 +56,12 @@ def graded():
     return grade
 
 
+def tried(results: dict, kind: str) -> list[tuple[str, str, str]]:
+    """(grade_id, name, outcome) of every answer of one ``kind`` ("mistake", "fitted", "accepted") in a graded notebook."""
+    return [(gid, key[1], outcome) for gid, outcomes in results.items()
+            for key, outcome in outcomes.items() if isinstance(key, tuple) and key[0] == kind]
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_every_exercise_states_its_rules_and_has_mistakes_and_a_fitted_answer(name):
     spec = load(name)
@@ -82,29 +88,24 @@ def test_solution_passes_and_blank_fails_visibly(graded, name):
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_every_mistake_fails_a_visible_test(graded, name):
     spec, wrong = load(name), []
-    for gid, outcomes in graded(name).items():
-        for (kind, what), outcome in ((k, v) for k, v in outcomes.items() if isinstance(k, tuple)):
-            if kind != "mistake":
-                continue
-            expected = "hidden" if (gid, what) in spec.HIDDEN_ONLY else "visible"
-            if outcome != expected:
-                wrong.append(f"{gid}: {what!r} is {outcome}, expected {expected}")
+    for gid, what, outcome in tried(graded(name), "mistake"):
+        expected = "hidden" if (gid, what) in spec.HIDDEN_ONLY else "visible"
+        if outcome != expected:
+            wrong.append(f"{gid}: {what!r} is {outcome}, expected {expected}")
     assert not wrong, f"{name}: " + "; ".join(wrong)
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_answers_fitted_to_the_visible_cases_fail_the_hidden_tests(graded, name):
-    wrong = [f"{gid}: {what!r} is {outcome}" for gid, outcomes in graded(name).items()
-             for (kind, what), outcome in ((k, v) for k, v in outcomes.items() if isinstance(k, tuple))
-             if kind == "fitted" and outcome != "hidden"]
+    wrong = [f"{gid}: {what!r} is {outcome}" for gid, what, outcome in tried(graded(name), "fitted")
+             if outcome != "hidden"]
     assert not wrong, f"{name} (fitted answers must pass the visible tests and fail the hidden ones): " + "; ".join(wrong)
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_right_answers_written_another_way_pass(graded, name):
-    wrong = [f"{gid}: {what!r} is {outcome}" for gid, outcomes in graded(name).items()
-             for (kind, what), outcome in ((k, v) for k, v in outcomes.items() if isinstance(k, tuple))
-             if kind == "accepted" and outcome != "passed"]
+    wrong = [f"{gid}: {what!r} is {outcome}" for gid, what, outcome in tried(graded(name), "accepted")
+             if outcome != "passed"]
     assert not wrong, f"{name} (answers the prose allows must pass the whole cell): " + "; ".join(wrong)
 
 
@@ -112,9 +113,8 @@ def test_report_table(graded):
     """Per notebook: mistakes tried / caught by the visible tests / caught only by the hidden ones / missed."""
     lines = [f"{'notebook':<28}{'mistakes':>9}{'visible':>9}{'hidden only':>13}{'missed':>8}{'fitted':>8}"]
     for name in NOTEBOOKS:
-        counts = collections.Counter(outcome for outcomes in graded(name).values()
-                                     for key, outcome in outcomes.items() if isinstance(key, tuple) and key[0] == "mistake")
-        fitted = sum(1 for outcomes in graded(name).values() for key in outcomes if isinstance(key, tuple) and key[0] == "fitted")
+        counts = collections.Counter(outcome for _, _, outcome in tried(graded(name), "mistake"))
+        fitted = len(tried(graded(name), "fitted"))
         lines.append(f"{load(name).ASSIGNMENT:<28}{sum(counts.values()):>9}{counts['visible']:>9}{counts['hidden']:>13}"
                      f"{counts['passed']:>8}{fitted:>8}")
     print("\n".join(["", "wrong answers per notebook:", *lines]))

@@ -99,6 +99,12 @@ PREPROCESS_LAUNCH = (
     "    _sparse_bwd_preprocess[(triton.cdiv(Nq, 64), B * H)](_as_heads(o), do3, lse.float().reshape(B * H, Nq).contiguous(),\n"
     "                                                         delta, lse2, Nq, HEAD_DIM=d, BLOCK_M=64)\n")
 
+
+def torch_d_and_lse2(delta: str, lse2: str) -> str:
+    """The wrapper's lines that compute D and lse2 in PyTorch instead: ``delta`` and ``lse2`` are the expressions."""
+    return (f"delta = {delta}.reshape(B * H, Nq).contiguous()\n"
+            f"    lse2 = {lse2}.reshape(B * H, Nq).contiguous()\n")
+
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
     "ex1_dense_reference": [
@@ -250,8 +256,7 @@ MISTAKES = {
          "tl.store(lse2_ptr + bh * N_Q + offs_m, lse * 1.4426950408889634, mask=rows)",
          "tl.store(lse2_ptr + bh * N_Q + offs_m, lse, mask=rows)"),
         ("lse in natural-log units (D and lse2 from PyTorch)", PREPROCESS_LAUNCH,
-         "delta = (do.float() * o.float()).sum(dim=-1).reshape(B * H, Nq).contiguous()\n"
-         "    lse2 = lse.float().reshape(B * H, Nq).contiguous()\n"),
+         torch_d_and_lse2("(do.float() * o.float()).sum(dim=-1)", "lse.float()")),
         ("tf32 for fp32 inputs (backward)", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"', 'PREC="tf32"'),
         ("D in the input dtype (preprocess kernel)",
          "    o = tl.load(o_ptr + offs, mask=rows[:, None], other=0.0).to(tl.float32)\n"
@@ -259,8 +264,7 @@ MISTAKES = {
          "    o = tl.load(o_ptr + offs, mask=rows[:, None], other=0.0)\n"
          "    do = tl.load(do_ptr + offs, mask=rows[:, None], other=0.0)\n"),
         ("D in the input dtype (D and lse2 from PyTorch)", PREPROCESS_LAUNCH,
-         "delta = (do * o).sum(dim=-1).float().reshape(B * H, Nq).contiguous()\n"
-         "    lse2 = (lse.float() * LOG2E).reshape(B * H, Nq).contiguous()\n"),
+         torch_d_and_lse2("(do * o).sum(dim=-1).float()", "(lse.float() * LOG2E)")),
         ("32-bit head offsets (preprocess kernel)",
          "    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)\n    bh = tl.program_id(1).to(tl.int64)\n",
          "    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)\n    bh = tl.program_id(1)\n"),
@@ -376,7 +380,6 @@ FITTED = {
 ACCEPTED = {
     "ex7_sparse_backward": [
         ("D and lse2 from PyTorch in fp32 (no preprocess kernel)", PREPROCESS_LAUNCH,
-         "delta = (do.float() * o.float()).sum(dim=-1).reshape(B * H, Nq).contiguous()\n"
-         "    lse2 = (lse.float() * LOG2E).reshape(B * H, Nq).contiguous()\n"),
+         torch_d_and_lse2("(do.float() * o.float()).sum(dim=-1)", "(lse.float() * LOG2E)")),
     ],
 }
