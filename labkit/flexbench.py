@@ -14,16 +14,17 @@ forward (``pass`` "fwd") and the forward with its backward ("fwd+bwd": dq, dk, d
   through its varlen function), and ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` for documents.
 
 Every call runs once before timing: a backend that fails (not installed, refused, out of memory) gets its
-error in ``status`` and the rest go on. Timings take turns (:func:`labkit.measure.time_interleaved`).
+error in ``status`` and the rest go on. Timings take turns (:func:`labkit.measure.time_interleaved`), one pass at a
+time: the forwards with each other, then the forward+backwards, so that a 0.2-ms forward is not timed in turns with
+15-ms forward+backwards (:func:`_timed_by_pass`).
 :func:`build_block_mask` builds each block mask (compiled when the eager build runs out of memory);
-:func:`block_mask_cost` times the eager ``create_block_mask`` itself, the first call and later ones. :func:`fa4_varlen`
-and :func:`varlen_attend` are the packed (varlen) calls the notebook's training step uses too.
+:func:`block_mask_cost` times the eager ``create_block_mask`` itself, the first call and later ones. The packed
+(varlen) calls are :mod:`labkit.varlen`'s, which the notebook's training step uses too.
 
 Used in: 09_flex_attention.
 """
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Callable
 
@@ -31,6 +32,7 @@ import pandas as pd
 import torch
 
 from . import kernels, measure
+from .varlen import fa4_varlen, first_output, kwargs_accepted, varlen_attend
 
 BLOCK = 128          # FlexAttention's default block: the kernels compared read the same block lists
 PASSES = ("fwd", "fwd+bwd")
@@ -47,48 +49,12 @@ def _recompile_room(limit: int = 256) -> None:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
 
 
-def _kwargs(fn: Callable, **wanted) -> dict:
-    """The keyword arguments of ``wanted`` that ``fn`` accepts (FA4 and torch's varlen change between versions)."""
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in wanted.items() if k in params}
-
-
 def status_of(err: BaseException) -> str:
     """One line for a table: "oom" when memory ran out, else the error's type and the first line of its message."""
     if measure.is_oom(err):
         return "oom"
     first = str(err).splitlines()[0][:120] if str(err) else ""
     return f"{type(err).__name__}: {first}"
-
-
-def _first(out):
-    """FA4 and varlen may return (o, lse): the output alone."""
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int):
-    """FA4's ``flash_attn_varlen_func``, causal inside each document: q, k, v [T, H, d] -> o [T, H, d]."""
-    kernels.flash_function("fa4")   # a clear ImportError when flash-attn-4 is missing
-    import flash_attn.cute as cute
-
-    fn = cute.flash_attn_varlen_func
-    extra = _kwargs(fn, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_len, max_seqlen_k=max_len)
-    return _first(fn(q, k, v, causal=True, **extra))
-
-
-def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int):
-    """``torch.nn.attention.varlen.varlen_attn``, causal inside each document: [T, H, d] -> [T, H, d].
-
-    Its causal switch changed name across versions (``window_size=(-1, 0)`` or ``is_causal=True``, read from the
-    installed signature); the positional arguments (q, k, v, cu_seq_q, cu_seq_k, max_q, max_k) did not.
-    """
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True} if "is_causal" in params else None
-    if causal is None:
-        raise TypeError("varlen_attn here has neither window_size nor is_causal")
-    return _first(varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **causal))
 
 
 def _fa4_spec(q, k, v, case: dict, cu: torch.Tensor | None):
@@ -98,11 +64,11 @@ def _fa4_spec(q, k, v, case: dict, cu: torch.Tensor | None):
         return tuple(t[0].transpose(0, 1).contiguous() for t in (q, k, v)), \
             lambda a, b, c: fa4_varlen(a, b, c, cu, longest)                 # [T, H, d]
     fn = kernels.flash_function("fa4")
-    extra = {} if case["kind"] == "causal" else _kwargs(fn, window_size=(case["window"], 0))
+    extra = {} if case["kind"] == "causal" else kwargs_accepted(fn, window_size=(case["window"], 0))
     if case["kind"] != "causal" and not extra:
         raise TypeError("this flash-attn-4 has no window_size argument")
     return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v)), \
-        lambda a, b, c: _first(fn(a, b, c, causal=True, **extra))          # [1, N, H, d]
+        lambda a, b, c: first_output(fn(a, b, c, causal=True, **extra))          # [1, N, H, d]
 
 
 def _specs(q, k, v, case: dict, bm, rule, N: int, dense_limit: int) -> tuple[dict, dict]:
@@ -146,7 +112,7 @@ def _train(inputs: tuple, fn: Callable) -> Callable:
     do = []
 
     def step():
-        o = _first(fn(*leaves))
+        o = first_output(fn(*leaves))
         if not do:
             do.append(torch.randn_like(o))
         return torch.autograd.grad(o, leaves, do[0])
@@ -188,6 +154,19 @@ def _calls(q, k, v, lists, case, N, bm, rule, *, mine, mine_backward, also, pass
             calls[(name, "fwd+bwd")] = _train(inputs, fn)
     failed = {(name, p): status for name, status in refused.items() for p in passes}
     return calls, failed
+
+
+def _timed_by_pass(calls: dict, device: str, target_ms: float) -> tuple[dict, dict]:
+    """:func:`labkit.measure.time_interleaved` over the calls of one pass at a time ({(backend, pass): fn}):
+    ({key: Timing}, {key: error}). Calls in turns share the GPU's conditions; what a heavy call leaves behind
+    (clocks, power) falls on the next turn, so like is timed with like."""
+    timings, errors = {}, {}
+    for p in dict.fromkeys(key[1] for key in calls):
+        t, e = measure.time_interleaved({key: fn for key, fn in calls.items() if key[1] == p}, device=device,
+                                        target_ms=target_ms, errors=(RuntimeError,))
+        timings.update(t)
+        errors.update(e)
+    return timings, errors
 
 
 def build_block_mask(rule: Callable, N: int, device: str):
@@ -253,8 +232,7 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
                 first = {key: _first_call(fn, device) for key, fn in calls.items()}
                 first.update({key: (status, 0.0) for key, status in failed.items()})
                 ok = {key: fn for key, fn in calls.items() if first[key][0] == "ok"}
-                timings, errors = measure.time_interleaved(ok, device=device, target_ms=target_ms,
-                                                           errors=(RuntimeError,)) if ok else ({}, {})
+                timings, errors = _timed_by_pass(ok, device, target_ms)
                 for (name, p), (status, seconds) in first.items():
                     t = timings.get((name, p))
                     rows.append(dict(d=hd, N=N, mask=case["name"], density=density, backend=name, **{"pass": p},

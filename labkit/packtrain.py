@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from . import flexbench, gpt2, measure
+from . import flexbench, gpt2, measure, varlen
 
 ATTN_NAME = "labkit_packed"   # the attention implementation of a packed model (no "flash" in it: see hf_attention)
 PADDED = "padded_sdpa"        # train()'s name for the unpacked reference: padded rows, SDPA with the padding mask
@@ -145,8 +145,8 @@ def varlen_packed(fn: Callable) -> Callable:
     return prepare
 
 
-fa4_packed = varlen_packed(flexbench.fa4_varlen)       # FA4's flash_attn_varlen_func, causal per document
-torch_varlen_packed = varlen_packed(flexbench.varlen_attend)   # torch.nn.attention.varlen.varlen_attn
+fa4_packed = varlen_packed(varlen.fa4_varlen)       # FA4's flash_attn_varlen_func, causal per document
+torch_varlen_packed = varlen_packed(varlen.varlen_attend)   # torch.nn.attention.varlen.varlen_attn
 
 
 def _sync(device: torch.device) -> None:

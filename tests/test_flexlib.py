@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import flexbench, flexlib, plots
+from labkit import flexbench, flexlib, plots, varlen
 
 matplotlib.use("Agg")
 
@@ -61,7 +61,7 @@ def test_kwargs_keeps_only_what_a_function_accepts():
     def fn(q, window_size=None):
         return q
 
-    assert flexbench._kwargs(fn, window_size=(4, 0), is_causal=True) == {"window_size": (4, 0)}
+    assert varlen.kwargs_accepted(fn, window_size=(4, 0), is_causal=True) == {"window_size": (4, 0)}
 
 
 def sweep_rows(rows):
@@ -125,15 +125,15 @@ def test_calls_time_both_passes_and_refused_backends_become_a_status():
 @pytest.mark.parametrize("params, want", [({"window_size": (-1, -1)}, {"window_size": (-1, 0)}),
                                           ({"is_causal": False}, {"is_causal": True})])
 def test_varlen_attend_reads_the_causal_keyword_off_the_installed_signature(monkeypatch, params, want):
-    import torch.nn.attention.varlen as varlen
+    import torch.nn.attention.varlen as torch_varlen
 
     got = {}
     name, default = next(iter(params.items()))
     exec(f"def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, {name}={default!r}):\n"
          f"    got.update({name}={name}, max=max_q)\n    return q", {"got": got}, scope := {})
-    monkeypatch.setattr(varlen, "varlen_attn", scope["fake"])
+    monkeypatch.setattr(torch_varlen, "varlen_attn", scope["fake"])
     q = torch.randn(6, 2, 4)
-    assert flexbench.varlen_attend(q, q, q, torch.tensor([0, 2, 6], dtype=torch.int32), 4) is q
+    assert varlen.varlen_attend(q, q, q, torch.tensor([0, 2, 6], dtype=torch.int32), 4) is q
     assert got == {**want, "max": 4}
 
 
@@ -221,3 +221,17 @@ def test_sweep_times_every_backend_or_says_why_not():
     df = flexbench.sweep(cases, {64: [1024]}, mine=mine, mine_backward=mine_backward, H=2, target_ms=2)
     assert {"mine", "flex_triton", "sdpa_mask"} <= set(df["backend"]) and set(df["pass"]) == set(flexbench.PASSES)
     assert (df.loc[df["backend"] == "mine", "status"] == "ok").all()
+
+
+def test_sweep_times_the_forwards_together_and_the_forward_backwards_together(monkeypatch):
+    """A 0.2-ms forward timed in turns with 15-ms forward+backwards would pay for what they leave behind."""
+    groups = []
+
+    def fake(fns, **kwargs):
+        groups.append(sorted(fns))
+        return {key: key[0] for key in fns}, {}
+    monkeypatch.setattr(flexbench.measure, "time_interleaved", fake)
+    calls = {(name, p): None for name in ("mine", "flex_triton") for p in flexbench.PASSES}
+    timings, errors = flexbench._timed_by_pass(calls, "cpu", 30.0)
+    assert groups == [[("flex_triton", "fwd"), ("mine", "fwd")], [("flex_triton", "fwd+bwd"), ("mine", "fwd+bwd")]]
+    assert timings == {key: key[0] for key in calls} and errors == {}
