@@ -32,7 +32,8 @@ import pandas as pd
 import torch
 
 from . import kernels, measure
-from .varlen import fa4_varlen, first_output, kwargs_accepted, varlen_attend
+from .kernels import first_output
+from .varlen import fa4_varlen, kwargs_accepted, varlen_attend
 
 BLOCK = 128          # FlexAttention's default block: the kernels compared read the same block lists
 PASSES = ("fwd", "fwd+bwd")

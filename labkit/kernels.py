@@ -67,7 +67,7 @@ def _flash_runner(backend: str) -> Callable:
 
     def run(q, k, v, causal, scale, needs_grad):
         out = flash_function(backend)(q, k, v, softmax_scale=scale, causal=causal)
-        return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
+        return first_output(out)
 
     return run
 
@@ -121,6 +121,11 @@ _PACKAGES = {  # backend: (module, distribution, install hint)
                    "sm80+, compiles against your CUDA)"),
     "fa4": ("flash_attn.cute", "flash-attn-4", "pip install flash-attn-4 (FlashAttention-4, Hopper/Blackwell)"),
 }
+
+
+def first_output(out):
+    """FA4 (and torch's varlen) may return (o, lse): the output alone."""
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 @functools.cache

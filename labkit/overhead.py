@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import attention as attn
-from .kernels import RUN_ERRORS, SDPA_BACKENDS, flash_function
+from .kernels import RUN_ERRORS, SDPA_BACKENDS, first_output, flash_function
 from .measure import as_device, gc_paused, time_fn
 
 _SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -59,10 +59,9 @@ def direct_call(backend: str, *, causal: bool, layout: str) -> Callable:
 
     def flash(q, k, v):
         if layout == "bnhd":
-            out = fn(q, k, v, causal=causal)
-            return out[0] if isinstance(out, tuple) else out
+            return first_output(fn(q, k, v, causal=causal))
         out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
-        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+        return first_output(out).transpose(1, 2)
     return flash
 
 

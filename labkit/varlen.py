@@ -14,17 +14,13 @@ from typing import Callable
 import torch
 
 from . import kernels
+from .kernels import first_output
 
 
 def kwargs_accepted(fn: Callable, **wanted) -> dict:
     """The keyword arguments of ``wanted`` that ``fn`` accepts (FA4 and torch's varlen change between versions)."""
     params = inspect.signature(fn).parameters
     return {k: v for k, v in wanted.items() if k in params}
-
-
-def first_output(out):
-    """FA4 and varlen may return (o, lse): the output alone."""
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int):
