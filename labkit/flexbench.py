@@ -171,9 +171,10 @@ def _timed_by_pass(calls: dict, device: str, target_ms: float) -> tuple[dict, di
 
 
 def build_block_mask(rule: Callable, N: int, device: str):
-    """``create_block_mask(rule)`` at length N (block 128), eagerly; compiled (``_compile=True``: the rule evaluated
-    block by block, the same lists) when the eager build, a whole [N, N] bool mask and int64 sums (9 N^2 bytes),
-    runs out of memory."""
+    """``create_block_mask(rule)`` at length N (block 128), eagerly; compiled (``torch.compile(create_block_mask)``:
+    the rule evaluated block by block, the same lists) when the eager build, a whole [N, N] bool mask and int64 sums
+    (9 N^2 bytes), runs out of memory. (``create_block_mask(..., _compile=True)`` does the same in torch 2.11-2.13
+    but warns that the flag is deprecated.)"""
     from torch.nn.attention.flex_attention import create_block_mask
 
     try:
@@ -182,7 +183,7 @@ def build_block_mask(rule: Callable, N: int, device: str):
         if not measure.is_oom(err):
             raise
     measure.free_memory()
-    return create_block_mask(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK, _compile=True)
+    return torch.compile(create_block_mask)(rule, None, None, N, N, device=device, BLOCK_SIZE=BLOCK)
 
 
 def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine: Callable,

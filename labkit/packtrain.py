@@ -13,7 +13,8 @@ documents padded.
   :data:`ATTN_NAME`, with no mask function, so transformers builds no [T, T] mask); :func:`varlen_packed`
   turns a varlen call on [T, H, D] and cu_seqlens (FA4's, torch's) into such an attention.
 - :func:`train`: each variant from the same initial weights on the same batches (AdamW): the loss per target
-  token at every step and the tokens per second (real tokens, not padding) over the steps after the warm-up.
+  token at every step and the tokens per second (real tokens, not padding) over the steps after the warm-up;
+  :func:`loss_gap` and :func:`verdicts` read its table (a padded baseline that could not run is said so).
 
 The notebook's kernels and masks are exercise answers: they come in as arguments, never from here.
 
@@ -22,6 +23,7 @@ Used in: 09_flex_attention.
 from __future__ import annotations
 
 import contextlib
+import math
 import sysconfig
 import time
 from pathlib import Path
@@ -226,3 +228,27 @@ def loss_gap(table: pd.DataFrame, reference: str = PADDED) -> pd.Series:
     cols = [c for c in table.columns if c.startswith("loss_")]
     ref = table.loc[reference, cols].astype(float)
     return ((table[cols].astype(float) - ref).abs() / ref).max(axis=1, skipna=False)
+
+
+def verdicts(table: pd.DataFrame, *, goal: float = 1.5, tolerance: float = 2 ** -7,
+             reference: str = PADDED) -> list[str]:
+    """One line per variant of :func:`train`'s table: tokens/s, the speed-up over ``reference`` against ``goal`` and
+    the largest relative loss difference against ``tolerance``. When the reference itself did not run (``oom`` on a
+    small GPU, say) the lines say so and give tokens/s alone: a ratio to a missing baseline is not "below goal"."""
+    ref = table.loc[reference]
+    if ref["status"] != "ok":
+        lines = [f"{reference}: {ref['status']}: the padded baseline did not run here, so no speed-up over it and no "
+                 f"loss difference to it can be measured (its padded batches hold more tokens than the packed ones)"]
+        return lines + [f"{name}: {row['status']}" if row["status"] != "ok" else
+                        f"{name}: {row['tokens_per_s']:,.0f} tokens/s" for name, row in table.drop(reference).iterrows()]
+    gaps, lines = loss_gap(table, reference), []
+    for name, row in table.drop(reference).iterrows():
+        if row["status"] != "ok":
+            lines.append(f"{name}: {row['status']}")
+            continue
+        speed = row["tokens_per_s"] / ref["tokens_per_s"]
+        lines.append(f"{name}: {row['tokens_per_s']:,.0f} tokens/s = {speed:.2f}x padded (goal >= {goal:g}x: "
+                     f"{'ok' if speed >= goal else 'below goal'}); largest loss difference {gaps[name]:.1e} "
+                     f"({'within' if gaps[name] <= tolerance else 'NOT within'} 2^{math.log2(tolerance):g})")
+    return lines
+

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import matplotlib
 import pandas as pd
@@ -177,25 +178,33 @@ def test_build_block_mask_compiles_only_when_the_eager_build_runs_out_of_memory(
     real, calls = fa.create_block_mask, []
 
     def eager_too_big(rule, B, H, Nq, Nk, device, BLOCK_SIZE, _compile=False):
-        calls.append(_compile)
-        if not _compile:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
-        return real(rule, B, H, Nq, Nk, device=device, BLOCK_SIZE=BLOCK_SIZE)   # stands in for the compiled build
+        calls.append("eager")
+        assert not _compile, "the deprecated _compile flag warns: compile with torch.compile(create_block_mask)"
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    def compiled(fn):
+        assert fn is eager_too_big
+        calls.append("torch.compile")
+        return lambda rule, B, H, Nq, Nk, device, BLOCK_SIZE: real(rule, B, H, Nq, Nk, device=device,
+                                                                   BLOCK_SIZE=BLOCK_SIZE)   # the compiled build
 
     assert flexbench.build_block_mask(causal, 256, "cpu").kv_num_blocks.shape[-1] == 2 and calls == []
     monkeypatch.setattr(fa, "create_block_mask", eager_too_big)
-    bm = flexbench.build_block_mask(causal, 384, "cpu")
-    assert calls == [False, True] and bm.full_kv_num_blocks[0, 0].tolist() == [0, 1, 2]
+    monkeypatch.setattr(torch, "compile", compiled)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bm = flexbench.build_block_mask(causal, 384, "cpu")
+    assert calls == ["eager", "torch.compile"] and bm.full_kv_num_blocks[0, 0].tolist() == [0, 1, 2]
 
     def broken(rule, B, H, Nq, Nk, device, BLOCK_SIZE, _compile=False):
-        calls.append(_compile)
+        calls.append("eager")
         raise ValueError("a rule with a bug")
 
     monkeypatch.setattr(fa, "create_block_mask", broken)
     calls.clear()
     with pytest.raises(ValueError, match="bug"):   # only out of memory falls through to the compiled build
         flexbench.build_block_mask(causal, 256, "cpu")
-    assert calls == [False]
+    assert calls == ["eager"]
 
 
 def test_block_mask_cost_times_each_rule_and_an_oom_rule_reads_oom():

@@ -7,6 +7,7 @@ only in a different order (matmuls of other shapes), which moves a loss of about
 """
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,3 +114,28 @@ def test_train_gives_the_padded_losses_and_a_status_for_a_failing_variant():
     assert table.loc["dense", "tokens_per_s"] > 0
     gap = packtrain.loss_gap(table)
     assert gap["dense"] < 1e-5 and gap.isna()["broken"]
+
+
+def _table(padded_status: str = "ok") -> pd.DataFrame:
+    rows = [dict(variant=packtrain.PADDED, status=padded_status, tokens_per_s=100.0 if padded_status == "ok" else
+                 float("nan"), loss_0=2.0 if padded_status == "ok" else float("nan")),
+            dict(variant="fast", status="ok", tokens_per_s=250.0, loss_0=2.001),
+            dict(variant="slow", status="ok", tokens_per_s=120.0, loss_0=2.1),
+            dict(variant="broken", status="ZeroDivisionError: division by zero", tokens_per_s=float("nan"),
+                 loss_0=float("nan"))]
+    return pd.DataFrame(rows).set_index("variant")
+
+
+def test_verdicts_name_the_speed_up_goal_and_the_loss_tolerance_per_variant():
+    lines = packtrain.verdicts(_table(), goal=1.5, tolerance=2 ** -7)
+    assert lines[0] == ("fast: 250 tokens/s = 2.50x padded (goal >= 1.5x: ok); largest loss difference 5.0e-04 "
+                        "(within 2^-7)")
+    assert "1.20x padded (goal >= 1.5x: below goal)" in lines[1] and "(NOT within 2^-7)" in lines[1]
+    assert lines[2] == "broken: ZeroDivisionError: division by zero"
+
+
+def test_verdicts_say_the_padded_baseline_did_not_run_instead_of_a_nan_ratio():
+    lines = packtrain.verdicts(_table("oom"))
+    assert lines[0].startswith("padded_sdpa: oom: the padded baseline did not run")
+    assert lines[1:] == ["fast: 250 tokens/s", "slow: 120 tokens/s", "broken: ZeroDivisionError: division by zero"]
+    assert not any("nan" in line or "below goal" in line for line in lines)
