@@ -32,7 +32,6 @@ import pandas as pd
 import torch
 
 from . import kernels, measure
-from .kernels import first_output
 from .varlen import fa4_varlen, kwargs_accepted, varlen_attend
 
 BLOCK = 128          # FlexAttention's default block: the kernels compared read the same block lists
@@ -69,7 +68,7 @@ def _fa4_spec(q, k, v, case: dict, cu: torch.Tensor | None):
     if case["kind"] != "causal" and not extra:
         raise TypeError("this flash-attn-4 has no window_size argument")
     return tuple(t.transpose(1, 2).contiguous() for t in (q, k, v)), \
-        lambda a, b, c: first_output(fn(a, b, c, causal=True, **extra))          # [1, N, H, d]
+        lambda a, b, c: kernels.first_output(fn(a, b, c, causal=True, **extra))  # [1, N, H, d]
 
 
 def _specs(q, k, v, case: dict, bm, rule, N: int, dense_limit: int) -> tuple[dict, dict]:
@@ -113,7 +112,7 @@ def _train(inputs: tuple, fn: Callable) -> Callable:
     do = []
 
     def step():
-        o = first_output(fn(*leaves))
+        o = kernels.first_output(fn(*leaves))
         if not do:
             do.append(torch.randn_like(o))
         return torch.autograd.grad(o, leaves, do[0])

@@ -236,19 +236,17 @@ def verdicts(table: pd.DataFrame, *, goal: float = 1.5, tolerance: float = 2 ** 
     the largest relative loss difference against ``tolerance``. When the reference itself did not run (``oom`` on a
     small GPU, say) the lines say so and give tokens/s alone: a ratio to a missing baseline is not "below goal"."""
     ref = table.loc[reference]
-    if ref["status"] != "ok":
-        lines = [f"{reference}: {ref['status']}: the padded baseline did not run here, so no speed-up over it and no "
-                 f"loss difference to it can be measured (its padded batches hold more tokens than the packed ones)"]
-        return lines + [f"{name}: {row['status']}" if row["status"] != "ok" else
-                        f"{name}: {row['tokens_per_s']:,.0f} tokens/s" for name, row in table.drop(reference).iterrows()]
-    gaps, lines = loss_gap(table, reference), []
+    baseline = ref["status"] == "ok"
+    lines = [] if baseline else [
+        f"{reference}: {ref['status']}: the padded baseline did not run here, so no speed-up over it and no loss "
+        f"difference to it can be measured (its padded batches hold more tokens than the packed ones)"]
+    gaps = loss_gap(table, reference)
     for name, row in table.drop(reference).iterrows():
-        if row["status"] != "ok":
-            lines.append(f"{name}: {row['status']}")
-            continue
-        speed = row["tokens_per_s"] / ref["tokens_per_s"]
-        lines.append(f"{name}: {row['tokens_per_s']:,.0f} tokens/s = {speed:.2f}x padded (goal >= {goal:g}x: "
-                     f"{'ok' if speed >= goal else 'below goal'}); largest loss difference {gaps[name]:.1e} "
+        line = f"{name}: {row['status']}" if row["status"] != "ok" else f"{name}: {row['tokens_per_s']:,.0f} tokens/s"
+        if row["status"] == "ok" and baseline:
+            speed = row["tokens_per_s"] / ref["tokens_per_s"]
+            line += (f" = {speed:.2f}x padded (goal >= {goal:g}x: {'ok' if speed >= goal else 'below goal'}); "
+                     f"largest loss difference {gaps[name]:.1e} "
                      f"({'within' if gaps[name] <= tolerance else 'NOT within'} 2^{math.log2(tolerance):g})")
+        lines.append(line)
     return lines
-
