@@ -68,7 +68,8 @@ RULES = {
         "bf16 o and dO (d = 64): within 1e-4 (relative) of the formula in float64 on the same bf16 values: D in fp32",
     ],
     "ex7_sparse_backward": [
-        "own code: no autograd; launches _sparse_bwd_dkdv_kernel and _sparse_bwd_dq_kernel",
+        "own code: no autograd; launches _sparse_bwd_dkdv_kernel and _sparse_bwd_dq_kernel (apart, or both in one launch "
+        "of the given _sparse_bwd_kernel)",
         "dV, dK, dQ vs float64 autograd through dense attention with the same table (block 16, create_block_mask's "
         "lists): causal N = 64, a tail block (N = 72), window 20, documents N = 100, causal N_q = 40 != N_k = 72, "
         "B = 2 with head size 32 != block 16, a sink; outputs a kernel never writes read NaN",
@@ -104,6 +105,27 @@ def torch_d_and_lse2(delta: str, lse2: str) -> str:
     """The wrapper's lines that compute D and lse2 in PyTorch instead: ``delta`` and ``lse2`` are the expressions."""
     return (f"delta = {delta}.reshape(B * H, Nq).contiguous()\n"
             f"    lse2 = {lse2}.reshape(B * H, Nq).contiguous()\n")
+
+# 09 exercise 7: the solution's one launch of both kernels, and the two kernels launched apart instead
+ONE_LAUNCH = (
+    "    _sparse_bwd_kernel[(max(triton.cdiv(Nk, block), triton.cdiv(Nq, block)), B * H, 2)](   # both kernels, one launch\n"
+    "        q3, k3, v3, do3, lse2, delta, dq, dk, dv, doc,\n"
+    "        as_i32(\"q_num_blocks\"), q_idx, as_i32(\"full_q_num_blocks\"), as_i32(\"full_q_indices\"),\n"
+    "        as_i32(\"kv_num_blocks\"), kv_idx, as_i32(\"full_kv_num_blocks\"), as_i32(\"full_kv_indices\"),\n"
+    "        d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), q_idx.shape[-1], kv_idx.shape[-1],\n"
+    "        HEAD_DIM=d, MASK=MASKS[mask], PREC=\"ieee\" if q.dtype == torch.float32 else \"tf32\", BLOCK_M=block, BLOCK_N=block,\n"
+    "        DKDV_SPLIT=dkdv_split, DQ_SPLIT=dq_split, num_warps=warps, num_stages=stages)\n")
+TWO_LAUNCHES = (
+    "    common = dict(HEAD_DIM=d, MASK=MASKS[mask], PREC=\"ieee\" if q.dtype == torch.float32 else \"tf32\",\n"
+    "                  BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages)\n"
+    "    _sparse_bwd_dkdv_kernel[(triton.cdiv(Nk, block), B * H)](\n"
+    "        q3, k3, v3, do3, lse2, delta, dk, dv, doc, as_i32(\"q_num_blocks\"), q_idx, as_i32(\"full_q_num_blocks\"),\n"
+    "        as_i32(\"full_q_indices\"), d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), q_idx.shape[-1], SPLIT=dkdv_split,\n"
+    "        **common)\n"
+    "    _sparse_bwd_dq_kernel[(triton.cdiv(Nq, block), B * H)](\n"
+    "        q3, k3, v3, do3, lse2, delta, dq, doc, as_i32(\"kv_num_blocks\"), kv_idx, as_i32(\"full_kv_num_blocks\"),\n"
+    "        as_i32(\"full_kv_indices\"), d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), kv_idx.shape[-1], SPLIT=dq_split,\n"
+    "        **common)\n")
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
@@ -239,11 +261,11 @@ MISTAKES = {
     ],
     "ex7_sparse_backward": [
         ("dK/dV kernel given the forward's lists (not transposed)",
-         'dk, dv, doc, as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"),\n        as_i32("full_q_indices"),',
-         'dk, dv, doc, as_i32("kv_num_blocks"), as_i32("kv_indices"), as_i32("full_kv_num_blocks"),\n        as_i32("full_kv_indices"),'),
+         'as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"), as_i32("full_q_indices"),\n        as_i32("kv_num_blocks")',
+         'as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"), as_i32("full_kv_indices"),\n        as_i32("kv_num_blocks")'),
         ("dQ kernel given the transposed lists",
-         'dq, doc, as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"),\n        as_i32("full_kv_indices"),',
-         'dq, doc, as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"),\n        as_i32("full_q_indices"),'),
+         'as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"), as_i32("full_kv_indices"),\n        d ** -0.5',
+         'as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"), as_i32("full_q_indices"),\n        d ** -0.5'),
         ("partial blocks unmasked in dK/dV",
          "                    keep = keep & (offs_m[None, :] >= offs_n[:, None]) & (doc_q[None, :] == doc_k[:, None])\n"
          "                pt = tl.where(keep, pt, 0.0)\n            dv = tl.dot(",
@@ -281,11 +303,11 @@ MISTAKES = {
          "    kb = tl.program_id(0)\n    bh = tl.program_id(1)\n"),
         ("32-bit head offsets (dQ kernel)", "    qb = tl.program_id(0)\n    bh = tl.program_id(1).to(tl.int64)\n",
          "    qb = tl.program_id(0)\n    bh = tl.program_id(1)\n"),
-        ("head size fixed at 16 (backward)", "common = dict(HEAD_DIM=d,", "common = dict(HEAD_DIM=16,"),
+        ("head size fixed at 16 (backward)", "HEAD_DIM=d, MASK=MASKS[mask], PREC=", "HEAD_DIM=16, MASK=MASKS[mask], PREC="),
         ("scale fixed at 1/4 (backward)", "d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), q_idx.shape[-1]",
          "0.25 * LOG2E, 0.25, Nq, Nk, int(window), q_idx.shape[-1]"),
-        ("dK/dV grid over query blocks", "_sparse_bwd_dkdv_kernel[(triton.cdiv(Nk, block), B * H)]",
-         "_sparse_bwd_dkdv_kernel[(triton.cdiv(Nq, block), B * H)]"),
+        ("dK/dV grid over query blocks", "_sparse_bwd_kernel[(max(triton.cdiv(Nk, block), triton.cdiv(Nq, block)), B * H, 2)]",
+         "_sparse_bwd_kernel[(triton.cdiv(Nq, block), B * H, 2)]"),
         ("bf16 launched with PREC=\"ieee\" too (backward)", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"',
          'PREC="ieee"'),
         ("dQ not scaled", "(dq * sm_scale).to(dq_ptr.dtype.element_ty)", "dq.to(dq_ptr.dtype.element_ty)"),
@@ -385,5 +407,6 @@ ACCEPTED = {
     "ex7_sparse_backward": [
         ("D and lse2 from PyTorch in fp32 (no preprocess kernel)", PREPROCESS_LAUNCH,
          torch_d_and_lse2("(do.float() * o.float()).sum(dim=-1)", "(lse.float() * LOG2E)")),
+        ("the two kernels launched apart (not through _sparse_bwd_kernel)", ONE_LAUNCH, TWO_LAUNCHES),
     ],
 }
