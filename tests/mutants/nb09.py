@@ -108,24 +108,24 @@ def torch_d_and_lse2(delta: str, lse2: str) -> str:
 
 # 09 exercise 7: the solution's one launch of both kernels, and the two kernels launched apart instead
 ONE_LAUNCH = (
-    "    _sparse_bwd_kernel[(max(triton.cdiv(Nk, block), triton.cdiv(Nq, block)), B * H, 2)](   # both kernels, one launch\n"
-    "        q3, k3, v3, do3, lse2, delta, dq, dk, dv, doc,\n"
-    "        as_i32(\"q_num_blocks\"), q_idx, as_i32(\"full_q_num_blocks\"), as_i32(\"full_q_indices\"),\n"
-    "        as_i32(\"kv_num_blocks\"), kv_idx, as_i32(\"full_kv_num_blocks\"), as_i32(\"full_kv_indices\"),\n"
-    "        d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), q_idx.shape[-1], kv_idx.shape[-1],\n"
-    "        HEAD_DIM=d, MASK=MASKS[mask], PREC=\"ieee\" if q.dtype == torch.float32 else \"tf32\", BLOCK_M=block, BLOCK_N=block,\n"
-    "        DKDV_SPLIT=dkdv_split, DQ_SPLIT=dq_split, num_warps=warps, num_stages=stages)\n")
+    "            _sparse_bwd_kernel[(max(triton.cdiv(Nk, block), triton.cdiv(Nq, block)), B * H, 2)](   # both kernels, one launch\n"
+    "                q3, k3, v3, do3, lse2, delta, dq, dk, dv, doc,\n"
+    "                as_i32(\"q_num_blocks\"), q_idx, as_i32(\"full_q_num_blocks\"), as_i32(\"full_q_indices\"),\n"
+    "                as_i32(\"kv_num_blocks\"), kv_idx, as_i32(\"full_kv_num_blocks\"), as_i32(\"full_kv_indices\"),\n"
+    "                d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), q_idx.shape[-1], kv_idx.shape[-1],\n"
+    "                HEAD_DIM=d, MASK=MASKS[mask], PREC=\"ieee\" if q.dtype == torch.float32 else \"tf32\", BLOCK_M=block,\n"
+    "                BLOCK_N=block, DKDV_SPLIT=dkdv_split, DQ_SPLIT=dq_split, num_warps=warps, num_stages=stages)\n")
 TWO_LAUNCHES = (
-    "    common = dict(HEAD_DIM=d, MASK=MASKS[mask], PREC=\"ieee\" if q.dtype == torch.float32 else \"tf32\",\n"
-    "                  BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages)\n"
-    "    _sparse_bwd_dkdv_kernel[(triton.cdiv(Nk, block), B * H)](\n"
-    "        q3, k3, v3, do3, lse2, delta, dk, dv, doc, as_i32(\"q_num_blocks\"), q_idx, as_i32(\"full_q_num_blocks\"),\n"
-    "        as_i32(\"full_q_indices\"), d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), q_idx.shape[-1], SPLIT=dkdv_split,\n"
-    "        **common)\n"
-    "    _sparse_bwd_dq_kernel[(triton.cdiv(Nq, block), B * H)](\n"
-    "        q3, k3, v3, do3, lse2, delta, dq, doc, as_i32(\"kv_num_blocks\"), kv_idx, as_i32(\"full_kv_num_blocks\"),\n"
-    "        as_i32(\"full_kv_indices\"), d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), kv_idx.shape[-1], SPLIT=dq_split,\n"
-    "        **common)\n")
+    "            common = dict(HEAD_DIM=d, MASK=MASKS[mask], PREC=\"ieee\" if q.dtype == torch.float32 else \"tf32\",\n"
+    "                          BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages)\n"
+    "            _sparse_bwd_dkdv_kernel[(triton.cdiv(Nk, block), B * H)](\n"
+    "                q3, k3, v3, do3, lse2, delta, dk, dv, doc, as_i32(\"q_num_blocks\"), q_idx, as_i32(\"full_q_num_blocks\"),\n"
+    "                as_i32(\"full_q_indices\"), d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), q_idx.shape[-1],\n"
+    "                SPLIT=dkdv_split, **common)\n"
+    "            _sparse_bwd_dq_kernel[(triton.cdiv(Nq, block), B * H)](\n"
+    "                q3, k3, v3, do3, lse2, delta, dq, doc, as_i32(\"kv_num_blocks\"), kv_idx, as_i32(\"full_kv_num_blocks\"),\n"
+    "                as_i32(\"full_kv_indices\"), d ** -0.5 * LOG2E, d ** -0.5, Nq, Nk, int(window), kv_idx.shape[-1],\n"
+    "                SPLIT=dq_split, **common)\n")
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
@@ -261,11 +261,11 @@ MISTAKES = {
     ],
     "ex7_sparse_backward": [
         ("dK/dV kernel given the forward's lists (not transposed)",
-         'as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"), as_i32("full_q_indices"),\n        as_i32("kv_num_blocks")',
-         'as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"), as_i32("full_kv_indices"),\n        as_i32("kv_num_blocks")'),
+         'as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"), as_i32("full_q_indices"),\n                as_i32("kv_num_blocks")',
+         'as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"), as_i32("full_kv_indices"),\n                as_i32("kv_num_blocks")'),
         ("dQ kernel given the transposed lists",
-         'as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"), as_i32("full_kv_indices"),\n        d ** -0.5',
-         'as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"), as_i32("full_q_indices"),\n        d ** -0.5'),
+         'as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"), as_i32("full_kv_indices"),\n                d ** -0.5',
+         'as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"), as_i32("full_q_indices"),\n                d ** -0.5'),
         ("partial blocks unmasked in dK/dV",
          "                    keep = keep & (offs_m[None, :] >= offs_n[:, None]) & (doc_q[None, :] == doc_k[:, None])\n"
          "                pt = tl.where(keep, pt, 0.0)\n            dv = tl.dot(",
