@@ -78,8 +78,9 @@ def time_interleaved(fns: dict[str, Callable[[], object]], *, device=None, warmu
 
     GPU: a start and an end CUDA event around each call, the calls of a turn queued back to back,
     read after one synchronize per phase (as ``triton.testing.do_bench`` does). The functions take turns (A B C,
-    B C A, C A B, ...; one that needs fewer reps is spread evenly over the turns), so a clock that
-    drifts with boost, power or temperature while they are measured shifts all of them alike;
+    B C A, C A B, C B A, ...: :func:`turn_order`, each as often after each other one; one that needs fewer
+    reps is spread evenly over the turns), so a clock that drifts with boost, power or temperature while
+    they are measured, or that a heavy call leaves low for the next one, shifts all of them alike;
     timed one after another, one kernel measured twice differed by 9% on an H100 (0.82 vs 0.89 ms).
     In the timed phase a turn is a block of consecutive calls of one function, about
     ``BLOCK_MS`` long and at least ``MIN_BLOCK`` calls. Every turn starts on an idle GPU (a
@@ -156,6 +157,20 @@ BLOCK_MS = 2.0  # a turn of time_interleaved: short next to the tens of ms over 
 MIN_BLOCK = 3   # a lead-in and at least two timed calls
 
 
+def turn_order(n: int, turn: int) -> list[int]:
+    """The order of n names in turn ``turn`` of :func:`time_interleaved`: a row of a Williams design.
+
+    Rows shift one sequence 0, 1, n-1, 2, n-2, ... by the turn; for odd n the next n rows are the first n
+    reversed. Over n turns (2n for odd n) every name is first once (twice) and follows every other name
+    equally often. A plain rotation (0 1 2, 1 2 0, ...) keeps each name's predecessor fixed: on an H200,
+    a 40-45 ms kernel always timed right after FA4 (the hottest call) read 14% slower than the same kernel
+    with one more term always timed after it (45.8 vs 40.3 ms; balanced, 42.9 vs 43.1).
+    """
+    base = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    row = [(x + turn) % n for x in base]
+    return row[::-1] if n % 2 and (turn // n) % 2 else row
+
+
 def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, block: dict[str, int] | None,
               device: torch.device, flush: Callable[[], object] | None, errors: tuple[type[BaseException], ...],
               failures: dict[str, BaseException], host_time: bool = True) -> dict[str, list[float]]:
@@ -163,10 +178,11 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
 
     A turn of ``name`` is ``block[name]`` consecutive calls (1 when ``block`` is None or there is
     only one name: nothing else runs between its calls); in a block of more than one the first
-    call is a lead-in, run but not timed; each turn starts after a synchronize. Turn i starts at
-    name i (mod the count), so every name is as often first as last; a name that needs b of
-    the T = max blocks runs in the turns where i * b // T steps up (evenly spread). A name that
-    raises one of ``errors`` is added to ``failures`` and dropped.
+    call is a lead-in, run but not timed; each turn starts after a synchronize. The names run in
+    the order of :func:`turn_order` (turn i), so every name is as often first as last and follows
+    each other name as often; a name that needs b of the T = max blocks runs in the turns where
+    i * b // T steps up (evenly spread). A name that raises one of ``errors`` is added to
+    ``failures`` and dropped.
     """
     names = [name for name in reps if name not in failures]
     size = {name: (block or {}).get(name, 1) if len(names) > 1 else 1 for name in names}
@@ -175,8 +191,8 @@ def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, blo
     turns = max(blocks.values(), default=0)
     pending: dict[str, list[Callable[[], float]]] = {name: [] for name in names}
     for i in range(turns):
-        for j in range(len(names)):
-            name = names[(i + j) % len(names)]
+        for j in turn_order(len(names), i):
+            name = names[j]
             if name in failures or (i + 1) * blocks[name] // turns == i * blocks[name] // turns:
                 continue
             _sync(device)  # an idle GPU: no backlog of the previous function hides this one's launches

@@ -1,6 +1,7 @@
 """Tests for labkit.measure: timing in turns (on a virtual clock where the logic is tested), peak memory."""
 from __future__ import annotations
 
+import collections
 import math
 import time
 
@@ -77,6 +78,28 @@ def test_turns_rotate_the_order_and_spread_the_rarer_calls():
     assert order[:2] == ["a", "b"] and order[2:4] == ["b", "a"], "turn i starts at name i"
     c_at = [i for i, name in enumerate(order) if name == "c"]
     assert order[c_at[0] + 1:c_at[1]].count("a") >= 2, "the two calls of c are spread over the turns"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_turns_put_every_name_after_every_other_equally_often(n):
+    """A rotation (0 1 2, 1 2 0, ...) keeps each name's predecessor fixed, so what a heavy call leaves
+    behind (a lower clock) always falls on the same next name."""
+    rows = [M.turn_order(n, i) for i in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(row) == list(range(n)) for row in rows), f"each turn runs every name once: {rows}"
+    firsts = {name: sum(row[0] == name for row in rows) for name in range(n)}
+    assert len(set(firsts.values())) == 1, f"every name as often first: {firsts}"
+    follows = collections.Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, \
+        f"every name right after every other one equally often: {dict(follows)}"
+
+
+def test_turns_run_in_turn_order():
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    M._turns_ms(fns, {name: 6 for name in "abc"}, block=None, device=torch.device("cpu"), flush=None, errors=(),
+                failures={})
+    after_a = {order[i + 1] for i in range(len(order) - 1) if order[i] == "a" and i % 3 != 2}
+    assert after_a == {"b", "c"}, f"_turns_ms follows turn_order: {order}"
 
 
 def test_a_block_of_calls_starts_with_an_untimed_lead_in():
