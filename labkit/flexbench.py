@@ -159,11 +159,14 @@ def _calls(q, k, v, lists, case, N, bm, rule, *, mine, mine_backward, also, pass
 def _timed_by_pass(calls: dict, device: str, target_ms: float) -> tuple[dict, dict]:
     """:func:`labkit.measure.time_interleaved` over the calls of one pass at a time ({(backend, pass): fn}):
     ({key: Timing}, {key: error}). Calls in turns share the GPU's conditions; what a heavy call leaves behind
-    (clocks, power) falls on the next turn, so like is timed with like."""
+    (clocks, power) falls on the next turn, so like is timed with like. Each call is timed at least once per
+    turn of a whole balanced round (:func:`labkit.measure.balanced_turns`), so even a call too slow for more
+    than the minimum follows each other call as often."""
     timings, errors = {}, {}
     for p in dict.fromkeys(key[1] for key in calls):
-        t, e = measure.time_interleaved({key: fn for key, fn in calls.items() if key[1] == p}, device=device,
-                                        target_ms=target_ms, errors=(RuntimeError,))
+        group = {key: fn for key, fn in calls.items() if key[1] == p}
+        t, e = measure.time_interleaved(group, device=device, target_ms=target_ms, errors=(RuntimeError,),
+                                        min_reps=max(5, measure.balanced_turns(len(group))))
         timings.update(t)
         errors.update(e)
     return timings, errors

@@ -171,6 +171,12 @@ def turn_order(n: int, turn: int) -> list[int]:
     return row[::-1] if n % 2 and (turn // n) % 2 else row
 
 
+def balanced_turns(n: int) -> int:
+    """Turns after which :func:`turn_order` has put each of n names right after every other one equally
+    often: n, or 2n for odd n."""
+    return n if n % 2 == 0 else 2 * n
+
+
 def _turns_ms(fns: dict[str, Callable[[], object]], reps: dict[str, int], *, block: dict[str, int] | None,
               device: torch.device, flush: Callable[[], object] | None, errors: tuple[type[BaseException], ...],
               failures: dict[str, BaseException], host_time: bool = True) -> dict[str, list[float]]:

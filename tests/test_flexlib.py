@@ -234,13 +234,17 @@ def test_sweep_times_every_backend_or_says_why_not():
 
 def test_sweep_times_the_forwards_together_and_the_forward_backwards_together(monkeypatch):
     """A 0.2-ms forward timed in turns with 15-ms forward+backwards would pay for what they leave behind."""
-    groups = []
+    groups, min_reps = [], []
 
     def fake(fns, **kwargs):
         groups.append(sorted(fns))
+        min_reps.append(kwargs["min_reps"])
         return {key: key[0] for key in fns}, {}
     monkeypatch.setattr(flexbench.measure, "time_interleaved", fake)
     calls = {(name, p): None for name in ("mine", "flex_triton") for p in flexbench.PASSES}
+    calls[("mine_sink", "fwd")] = None
     timings, errors = flexbench._timed_by_pass(calls, "cpu", 30.0)
-    assert groups == [[("flex_triton", "fwd"), ("mine", "fwd")], [("flex_triton", "fwd+bwd"), ("mine", "fwd+bwd")]]
+    assert groups == [[("flex_triton", "fwd"), ("mine", "fwd"), ("mine_sink", "fwd")],
+                      [("flex_triton", "fwd+bwd"), ("mine", "fwd+bwd")]]
     assert timings == {key: key[0] for key in calls} and errors == {}
+    assert min_reps == [6, 5], "a slow call is timed for a whole balanced round of turns (3 calls: 6; never below 5)"

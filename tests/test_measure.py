@@ -84,7 +84,7 @@ def test_turns_rotate_the_order_and_spread_the_rarer_calls():
 def test_turns_put_every_name_after_every_other_equally_often(n):
     """A rotation (0 1 2, 1 2 0, ...) keeps each name's predecessor fixed, so what a heavy call leaves
     behind (a lower clock) always falls on the same next name."""
-    rows = [M.turn_order(n, i) for i in range(n if n % 2 == 0 else 2 * n)]
+    rows = [M.turn_order(n, i) for i in range(M.balanced_turns(n))]
     assert all(sorted(row) == list(range(n)) for row in rows), f"each turn runs every name once: {rows}"
     firsts = {name: sum(row[0] == name for row in rows) for name in range(n)}
     assert len(set(firsts.values())) == 1, f"every name as often first: {firsts}"
