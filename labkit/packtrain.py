@@ -170,6 +170,8 @@ def _run(name: str, prepare, batches, *, pack, size, max_len, steps, warmup, dev
     model = _model(size, max_len, device, seed, prepare is not None, overrides)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda")
     losses, start, tokens = [], None, 0
+    _sync(device)
+    began = time.perf_counter()
     for step in range(steps):
         if step == warmup:
             _sync(device)
@@ -185,8 +187,11 @@ def _run(name: str, prepare, batches, *, pack, size, max_len, steps, warmup, dev
         losses.append(float(loss.detach()) / n)
         tokens += sum(len(d) for d in docs) if step >= warmup else 0
     _sync(device)
-    seconds = time.perf_counter() - start if start is not None else float("nan")
+    end = time.perf_counter()
+    seconds = end - start if start is not None else float("nan")
+    warmup_s = (start if start is not None else end) - began
     return dict(variant=name, status="ok", tokens_per_s=tokens / seconds if tokens else float("nan"),
+                warmup_ms=warmup_s / warmup * 1e3 if warmup else float("nan"),
                 step_ms=seconds / max(steps - warmup, 1) * 1e3, losses=losses)
 
 
@@ -201,11 +206,14 @@ def train(variants: dict[str, Callable | None], batches: list[list[torch.Tensor]
             must), or None for the padded reference with SDPA (name it :data:`PADDED`).
         pack: the notebook's ``pack(docs)`` (exercise 8).
         size: a ``lk.gpt2.SIZES`` name; built with a byte vocabulary (256) and ``max_len`` learned positions.
-        warmup: steps not timed (compilation, autotuning); every step's loss is kept.
+        warmup: steps not timed (compilation, autotuning, and what a backend prepares for each new shape: padded
+            batches change shape from batch to batch); ``warmup = len(batches)`` times a second pass over batches
+            every variant has already seen once. Every step's loss is kept.
         dtype: autocast dtype (fp32: no autocast).
     Returns:
-        DataFrame: variant, status ("ok" or the error), tokens_per_s, step_ms, loss_0 ... loss_{steps-1}
-        (the mean next-token loss per target token at each step, before that step's update).
+        DataFrame: variant, status ("ok" or the error), tokens_per_s, warmup_ms and step_ms (mean milliseconds a
+        step, warm-up and timed steps), loss_0 ... loss_{steps-1} (the mean next-token loss per target token at
+        each step, before that step's update).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
@@ -215,7 +223,7 @@ def train(variants: dict[str, Callable | None], batches: list[list[torch.Tensor]
                        device=device, dtype=dtype, seed=seed, lr=lr, overrides=overrides)
         except Exception as err:  # noqa: BLE001 - one variant's failure (missing package, OOM) is its row's status
             row = dict(variant=name, status=flexbench.status_of(err), tokens_per_s=float("nan"),
-                       step_ms=float("nan"), losses=[])
+                       warmup_ms=float("nan"), step_ms=float("nan"), losses=[])
         row.update({f"loss_{i}": row["losses"][i] if i < len(row["losses"]) else float("nan") for i in range(steps)})
         del row["losses"]
         rows.append(row)

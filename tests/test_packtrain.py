@@ -7,6 +7,8 @@ only in a different order (matmuls of other shapes), which moves a loss of about
 """
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 import pytest
 import torch
@@ -112,8 +114,27 @@ def test_train_gives_the_padded_losses_and_a_status_for_a_failing_variant():
     assert list(table.index) == [packtrain.PADDED, "dense", "broken"]
     assert table.loc["broken", "status"].startswith("ZeroDivisionError") and table.loc["dense", "status"] == "ok"
     assert table.loc["dense", "tokens_per_s"] > 0
+    assert table.loc["dense", "warmup_ms"] > 0 and table.loc["dense", "step_ms"] > 0
+    assert table.loc[["broken"], ["warmup_ms", "step_ms"]].isna().all(axis=None)
     gap = packtrain.loss_gap(table)
     assert gap["dense"] < 1e-5 and gap.isna()["broken"]
+
+
+def test_a_cost_paid_on_each_new_batch_lands_in_the_warm_up_pass_not_in_the_timed_one():
+    batches = packtrain.stdlib_batches(3, 64, max_len=32, scale=64, seed=2)
+    seen = set()
+
+    def slow_first_time(packed):   # as a backend that prepares something for every batch it has not seen
+        key = tuple(packed["tokens"].tolist())
+        if key not in seen:
+            seen.add(key)
+            time.sleep(0.2)
+        return dense_packed(packed)
+
+    table = packtrain.train({"slow_first_time": slow_first_time}, batches, pack=pack, size="tiny", max_len=64,
+                            steps=2 * len(batches), warmup=len(batches), device="cpu", dtype=torch.float32)
+    row = table.loc["slow_first_time"]
+    assert row["warmup_ms"] >= 200 and row["step_ms"] < row["warmup_ms"] - 150, row
 
 
 def _table(padded_status: str = "ok") -> pd.DataFrame:
