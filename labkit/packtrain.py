@@ -189,9 +189,10 @@ def _run(name: str, prepare, batches, *, pack, size, max_len, steps, warmup, dev
     _sync(device)
     end = time.perf_counter()
     seconds = end - start if start is not None else float("nan")
-    warmup_s = (start if start is not None else end) - began
+    warm_steps = min(warmup, steps)               # every step is a warm-up step when warmup >= steps
+    warm_end = start if start is not None else end
     return dict(variant=name, status="ok", tokens_per_s=tokens / seconds if tokens else float("nan"),
-                warmup_ms=warmup_s / warmup * 1e3 if warmup else float("nan"),
+                warmup_ms=(warm_end - began) / warm_steps * 1e3 if warm_steps else float("nan"),
                 step_ms=seconds / max(steps - warmup, 1) * 1e3, losses=losses)
 
 

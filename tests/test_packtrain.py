@@ -135,6 +135,11 @@ def test_a_cost_paid_on_each_new_batch_lands_in_the_warm_up_pass_not_in_the_time
                             steps=2 * len(batches), warmup=len(batches), device="cpu", dtype=torch.float32)
     row = table.loc["slow_first_time"]
     assert row["warmup_ms"] >= 200 and row["step_ms"] < row["warmup_ms"] - 150, row
+    seen.clear()
+    untimed = packtrain.train({"slow_first_time": slow_first_time}, batches, pack=pack, size="tiny", max_len=64,
+                              steps=len(batches), warmup=2 * len(batches), device="cpu", dtype=torch.float32)
+    assert untimed.loc["slow_first_time", "warmup_ms"] >= 200   # the mean over the steps that ran, not over warmup
+    assert untimed.loc[["slow_first_time"], ["step_ms", "tokens_per_s"]].isna().all(axis=None)
 
 
 def _table(padded_status: str = "ok") -> pd.DataFrame:
