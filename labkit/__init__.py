@@ -1,12 +1,27 @@
 """labkit: helpers for the course "Lab-1.5: FlashAttention Deep Dive".
 
-Notebooks use ``import labkit as lk`` and reach each module as ``lk.env``, ``lk.attention``,
-``lk.bench``, ``lk.explain``, ``lk.doctor``, ``lk.profiles``, ``lk.grading``, ``lk.plots``, ``lk.precision`` and ``lk.amp``.
+Notebooks use ``import labkit as lk`` and reach every module they need as ``lk.<name>``: the lines below bind
+each of those names, one line per part of the package, each saying where the module lives.
+The board (instructors only) is never imported here: the student bundle leaves it out.
 """
-from . import tritonmode
+from labkit import tritonmode
 
-tritonmode.apply_default()  # before any import of triton (torch._dynamo imports it): see labkit.tritonmode
-from . import amp, attention, bench, decode, doctor, env, explain, kernels, measure, gpt2, grading, hf_attention, hfcompat, levers, longctx, longdata, longmem, overhead, perfmodel, plots, precision, predictor, profiles, profiling, reference, rope, roofline, tritonbench, tritonbounds, tritoncompile  # noqa: E402
+tritonmode.apply_default()  # before any import of triton (torch._dynamo imports it): see tritonmode
+from labkit import env, grading, measure, plots, profiles  # noqa: E402
+from labkit import attention, bench, doctor, explain, kernels, overhead  # noqa: E402
+from labkit import gpt2, hf_attention, hfcompat, rope  # noqa: E402
+from labkit import levers, longctx, longdata, longmem  # noqa: E402
+from labkit import perfmodel, predictor, profiling, roofline  # noqa: E402
+from labkit import amp, precision  # noqa: E402
+from labkit import tritonbench, tritonbounds, tritoncompile  # noqa: E402
+from labkit import cpcpu, cpmem, cprun, cptrain, ringproc  # noqa: E402
+from labkit import decode  # noqa: E402
+from labkit import flexbench, flexlib, packtrain  # noqa: E402
+from labkit import reference  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["amp", "attention", "bench", "decode", "doctor", "env", "explain", "kernels", "measure", "gpt2", "grading", "hf_attention", "hfcompat", "levers", "longctx", "longdata", "longmem", "overhead", "perfmodel", "plots", "precision", "predictor", "profiles", "profiling", "reference", "rope", "roofline", "tritonbench", "tritonbounds", "tritoncompile", "tritonmode"]
+__all__ = ["amp", "attention", "bench", "cpcpu", "cpmem", "cprun", "cptrain", "decode", "doctor", "env", "explain",
+           "flexbench", "flexlib", "gpt2", "grading", "hf_attention", "hfcompat", "kernels", "levers", "longctx",
+           "longdata", "longmem", "measure", "overhead", "packtrain", "perfmodel", "plots", "precision", "predictor",
+           "profiles", "profiling", "reference", "ringproc", "rope", "roofline", "tritonbench", "tritonbounds",
+           "tritoncompile", "tritonmode"]

@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from . import cliargs as ca
-from .attention import BACKENDS, MODES
+from labkit import cliargs as ca
+from labkit.attention import BACKENDS, MODES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COURSE = "the course folder (it holds solutions/)"
@@ -99,7 +99,7 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
     """What the options' types cannot check alone; each answers as argparse does (one line, exit status 2)."""
     command = parser.commands[args.command]
     if args.command == "execute" and args.only:
-        from .execute import solution_notebooks
+        from labkit.execute import solution_notebooks
 
         have = [p.stem for p in solution_notebooks(args.root)]
         missing = [o for o in args.only if not any(h.startswith(o) for h in have)]
@@ -107,8 +107,8 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
             command.error(f"argument --only: no solution notebook starts with {', '.join(missing)}; "
                           f"the notebooks are {', '.join(have)}; e.g. --only {have[0][:2] if have else '01'}")
     if args.command == "bench" and args.backends and "auto" not in args.backends and not args.vs_direct:
-        from .attention import why_not  # a sweep of nothing but "unsupported" rows: say why, and what runs here
-        from .env import default_device
+        from labkit.attention import why_not  # a sweep of nothing but "unsupported" rows: say why, and what runs here
+        from labkit.env import default_device
 
         device, dtype, first = default_device(), DTYPES[args.dtype], ""
         for backend, head_dim in itertools.product(args.backends, args.head_dims):  # up to the first that runs
@@ -121,7 +121,7 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
             command.error(f"argument --backends: none runs here ({first}); these do: {', '.join(here)}, auto")
     if args.command == "board":
         try:
-            from .board import submissions
+            from labkit.board import submissions
         except ModuleNotFoundError:
             command.error("the board is an instructor's tool and is not in the student bundle; run it from the course "
                           "repository")
@@ -136,17 +136,17 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["cp-train"]:
-        from . import cprun
+        from labkit import cprun
 
         return cprun.main(argv[1:])
     if argv[:1] == ["longctx"]:
-        from . import longctx
+        from labkit import longctx
 
         return longctx.main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     _check(parser, args)
-    from . import bench, doctor, plots
+    from labkit import bench, doctor, plots
 
     if args.command == "doctor":
         doctor.report()
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "board":
         return _board(args)
     if args.command == "reference":
-        from . import reference
+        from labkit import reference
 
         for path in reference.build(args.executed, **({"out": args.out} if args.out else {})):
             print(f"wrote {path}")
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _vs_direct(args, configs: list[dict], causal: tuple[bool, ...]) -> int:
-    from . import overhead
+    from labkit import overhead
 
     df = overhead.vs_direct(configs, causal=causal, modes=args.modes, rounds=args.rounds,
                             rep_ms=args.rep_ms, dtype=DTYPES[args.dtype], partial_csv=args.out / "vs_direct.csv")
@@ -205,7 +205,7 @@ def _vs_direct(args, configs: list[dict], causal: tuple[bool, ...]) -> int:
 
 
 def _execute(args) -> int:
-    from . import execute
+    from labkit import execute
 
     runs = execute.execute_all(args.root, args.out, only=args.only, profile=args.profile, timeout=args.timeout,
                                strict=args.strict)
@@ -219,7 +219,7 @@ def _execute(args) -> int:
 def _board(args) -> int:
     import secrets
 
-    from . import board
+    from labkit import board
 
     gpu = not args.cpu and torch.cuda.is_available()
     seed = secrets.randbelow(2**31) if args.seed is None else args.seed
@@ -234,7 +234,7 @@ def _board(args) -> int:
 
 
 def _bundle(args) -> int:
-    from . import bundle
+    from labkit import bundle
 
     try:
         path = bundle.build_bundle(args.root, args.out)

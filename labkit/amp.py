@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from . import bench
+from labkit import bench
 
 AMP_MODES = {"fp32": None, "tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -129,7 +129,7 @@ class NaNMonitor:
         modules that produced NaN/Inf are drawn red. Returns the Axes."""
         import matplotlib.pyplot as plt
 
-        from .plots import label
+        from labkit.plots import label
         s = self.summary()
         if ax is None:
             _, ax = plt.subplots(figsize=(max(6, 0.28 * len(s)), 3.6))

@@ -23,10 +23,10 @@ from typing import Callable
 
 import torch
 
-from .attncheck import LAYOUTS, NAN_POLICIES, _as_bhnd, _cast_dtype, _check_choice, _check_finite, validate
-from .kernels import (BACKENDS, HALF, RUN_ERRORS, RUNNERS, AttentionInputError, causal_mask, native_layout,
+from labkit.attncheck import LAYOUTS, NAN_POLICIES, _as_bhnd, _cast_dtype, _check_choice, _check_finite, validate
+from labkit.kernels import (BACKENDS, HALF, RUN_ERRORS, RUNNERS, AttentionInputError, causal_mask, native_layout,
                       package_problem, reference_attention, static_problem, why_not)
-from .measure import time_interleaved
+from labkit.measure import time_interleaved
 
 MODES = ("fwd", "fwd_bwd")  # what flops() and the benchmarks time: forward, forward+backward
 MAX_PLANS = 4096  # distinct keys kept (decoding with a growing KV cache makes a new key per token)

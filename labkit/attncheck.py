@@ -11,7 +11,7 @@ import difflib
 
 import torch
 
-from .kernels import BACKENDS, AttentionInputError, static_problem
+from labkit.kernels import BACKENDS, AttentionInputError, static_problem
 
 LAYOUTS = ("bhnd", "bnhd")
 NAN_POLICIES = ("raise", "ignore")

@@ -18,9 +18,9 @@ from typing import Callable, Iterable
 import pandas as pd
 import torch
 
-from . import attention as attn
-from .env import device_info
-from .measure import (Timing, as_device, call_ms, free_memory, is_oom, peak_memory, time_fn,  # noqa: F401
+from labkit import attention as attn
+from labkit.env import device_info
+from labkit.measure import (Timing, as_device, call_ms, free_memory, is_oom, peak_memory, time_fn,  # noqa: F401
                       time_interleaved)
 
 

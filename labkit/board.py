@@ -43,8 +43,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import boardreport
-from .boardshapes import SPECS
+from labkit import boardreport
+from labkit.boardshapes import SPECS
 
 ASSIGNMENTS = tuple(SPECS)
 STATUSES = ("ok", "wrong", "flagged", "error", "timeout")

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import grading
+from labkit import grading
 
 
 @dataclass(frozen=True)

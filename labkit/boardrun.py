@@ -50,7 +50,7 @@ def _guarded() -> dict[str, object]:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    from . import (attention, bench, boardcommon, boardshapes06, boardshapes08, boardshapes09, decode, flexbench,
+    from labkit import (attention, bench, boardcommon, boardshapes06, boardshapes08, boardshapes09, decode, flexbench,
                    flexlib, grading, graphtime, measure, readbw, tritonmode)
 
     found = {f"{owner.__name__}.{name}": getattr(owner, name) for owner, name in [
@@ -123,7 +123,7 @@ def library_reached(fn) -> str | None:
     name (``torch.ops.aten._scaled_dot_product_flash_attention``); None if it does not."""
     import inspect
 
-    from .grading import _first_reached
+    from labkit.grading import _first_reached
 
     def library(obj) -> bool:
         module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None) \
@@ -134,8 +134,8 @@ def library_reached(fn) -> str | None:
 
 
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
-    from . import grading, tritonmode
-    from .boardshapes import forbidden
+    from labkit import grading, tritonmode
+    from labkit.boardshapes import forbidden
 
     missing = [name for name in spec.graded if name not in ns]
     if missing:
@@ -167,13 +167,13 @@ def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> di
 
 def run(job: dict) -> dict:
     """The job's result: {"status", "detail", "timing"} (timing: the spec's timing dict, or None)."""
-    from . import runguard
+    from labkit import runguard
 
     runguard.install("report")
     import labkit as lk
 
     lk.tritonmode.setup()
-    from .boardshapes import SPECS
+    from labkit.boardshapes import SPECS
 
     device = lk.tritonmode.device()
     _limit_memory(job, device)

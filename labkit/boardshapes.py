@@ -21,10 +21,10 @@ Used by: :mod:`labkit.boardrun`, :mod:`labkit.board`.
 """
 from __future__ import annotations
 
-from . import boardshapes06, boardshapes08, boardshapes09
-from .boardcommon import CHECK_DTYPES, PEAK_N, Spec, forbidden, geomean
-from .boardshapes06 import attention_exact
-from .boardshapes08 import decode_exact, paged_copy, to_pages
+from labkit import boardshapes06, boardshapes08, boardshapes09
+from labkit.boardcommon import CHECK_DTYPES, PEAK_N, Spec, forbidden, geomean
+from labkit.boardshapes06 import attention_exact
+from labkit.boardshapes08 import decode_exact, paged_copy, to_pages
 
 __all__ = ["CHECK_DTYPES", "PEAK_N", "SPECS", "Spec", "attention_exact", "decode_exact", "forbidden", "geomean",
            "paged_copy", "to_pages"]

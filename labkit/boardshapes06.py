@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from . import boardcommon as common
-from .boardcommon import Spec
+from labkit import boardcommon as common
+from labkit.boardcommon import Spec
 
 def attention_exact(q, k, v, causal: bool, diag: int | None = None, dtype=torch.float64) -> torch.Tensor:
     """Plain attention in ``dtype``: q [B, H, N, D], k, v [B, H, Nk, D] -> o [B, H, N, D]. Causal: row i
@@ -64,7 +64,7 @@ FA_TIMED = dict(seq_lens=[1024, 4096, 16384], head_dims=[64, 128], tokens=16384,
 
 
 def _fa_time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
-    from . import attention, bench
+    from labkit import attention, bench
 
     fn, kept = ns["TritonFlashAttention"].apply, {}
 

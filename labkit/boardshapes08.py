@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from . import boardcommon as common
-from . import grading
-from .boardcommon import Spec
+from labkit import boardcommon as common
+from labkit import grading
+from labkit.boardcommon import Spec
 
 def decode_exact(q, k, v, lens, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over its first lens[b] keys, in ``dtype``.
@@ -89,7 +89,7 @@ def _decode_recheck(calls: dict[str, Callable[[], torch.Tensor]], tensors: tuple
                     where: str) -> None:
     """The timed calls after ``tensors`` (q, k, v, k_pages, v_pages, table, lens) got new values in place: called, and
     on a GPU replayed from a graph captured before: a cache keyed on the tensors or an empty capture fails."""
-    from . import graphtime
+    from labkit import graphtime
 
     q, k, v, kp, vp, table, lens = tensors
     page, g = kp.shape[1], q.shape[1] // k.shape[2]
@@ -114,7 +114,7 @@ def _decode_recheck(calls: dict[str, Callable[[], torch.Tensor]], tensors: tuple
 
 
 def _decode_time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
-    from . import decode
+    from labkit import decode
 
     split, paged, gen, rows = ns["decode_split"], ns["paged_decode"], torch.Generator().manual_seed(seed), []
     hq, hkv, d, page = DECODE_HEADS

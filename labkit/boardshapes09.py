@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from . import boardcommon as common
-from . import grading
-from .boardcommon import Spec
+from labkit import boardcommon as common
+from labkit import grading
+from labkit.boardcommon import Spec
 
 
 def rule(kind: str, window: int = 0, document_id: torch.Tensor | None = None):
@@ -74,7 +74,7 @@ BLOCK = {"cpu": 16, "cuda": 128, "cuda float32": 32}   # fp32 tiles of 128 x 128
 
 
 def _check(ns: dict, seed: int, device: torch.device) -> None:
-    from . import flexlib
+    from labkit import flexlib
 
     fwd, bwd = ns["sparse_attention"], ns["sparse_attention_backward"]
     shapes = [(s, t) for s in SHAPES[device.type] for t in common.CHECK_DTYPES[device.type]]
@@ -109,7 +109,7 @@ def _check(ns: dict, seed: int, device: torch.device) -> None:
 
 
 def _calls(ns: dict, device: torch.device) -> dict:
-    from . import flexlib
+    from labkit import flexlib
 
     x = torch.randn(1, 1, 32, 16, device=device)
     lists = {n: t.to(device) for n, t in flexlib.torch_lists(rule("causal"), 32, 32, 16).items()}
@@ -156,7 +156,7 @@ def scores(ok, work: dict, peak: float) -> dict:
 
 
 def _time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
-    from . import attention, bench, flexbench
+    from labkit import attention, bench, flexbench
 
     fn, bwd, kept, H, d = ns["sparse_attention"], ns["sparse_attention_backward"], {}, TIMED["H"], TIMED["d"]
     cases = [dict(c, rule=lambda N, c=c: rule(c["kind"], c.get("window", 0), _ids(c, N, device)),

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import cliargs as ca
-from . import cpcpu, cptrain, profiles
+from labkit import cliargs as ca
+from labkit import cpcpu, cptrain, profiles
 
 
 def parser() -> argparse.ArgumentParser:

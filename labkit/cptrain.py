@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import cpmem, gpt2, levers, longmem
+from labkit import cpmem, gpt2, levers, longmem
 
 ATTN_NAME = "labkit_cp"
 ROTATE_METHOD = "alltoall"  # torch's name for the ring: each rank passes its K/V chunk to the next, P-1 hops

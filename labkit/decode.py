@@ -31,12 +31,12 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from . import bench
-from .graphtime import LAYERS, caches_for, graphed, layered, release, time_per_call  # noqa: F401 (lk.decode.*)
+from labkit import bench
+from labkit.graphtime import LAYERS, caches_for, graphed, layered, release, time_per_call  # noqa: F401 (lk.decode.*)
 # RUN_ERRORS (also lk.decode.RUN_ERRORS): what a kernel that cannot take an input raises
-from .kernels import RUN_ERRORS, flash_function  # noqa: F401
-from .paged import generate_paged, page_table, write_kv  # noqa: F401 (lk.decode.*)
-from .readbw import READ_ONLY, read_bandwidth, read_once  # noqa: F401 (lk.decode.*)
+from labkit.kernels import RUN_ERRORS, flash_function  # noqa: F401
+from labkit.paged import generate_paged, page_table, write_kv  # noqa: F401 (lk.decode.*)
+from labkit.readbw import READ_ONLY, read_bandwidth, read_once  # noqa: F401 (lk.decode.*)
 
 SDPA_DECODE_BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
 YARDSTICKS = SDPA_DECODE_BACKENDS + ("fa4",)

@@ -13,8 +13,8 @@ import platform
 
 import torch
 
-from . import kernels
-from .env import DeviceInfo, default_device, device_info, supported_dtypes
+from labkit import kernels
+from labkit.env import DeviceInfo, default_device, device_info, supported_dtypes
 
 
 def backend_table(device: str | torch.device | None = None, dtype: torch.dtype | None = None,
@@ -55,7 +55,7 @@ def report(device: str | torch.device | None = None) -> DeviceInfo:
 def auto_report(device: str | torch.device | None = None) -> None:
     """Print auto's choice, and each backend's role in it, for one GPT-2 small attention layer (B 4, H 12,
     D 64, causal; N 1024 on a GPU in bf16, 128 on a CPU in fp32): forward+backward, then forward only."""
-    from . import explain
+    from labkit import explain
 
     dev = torch.device(device or default_device())
     dtype, n = (torch.bfloat16, 1024) if dev.type == "cuda" else (torch.float32, 128)

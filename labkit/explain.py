@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from . import attention as attn
-from .kernels import BACKENDS, package_problem, static_problem
+from labkit import attention as attn
+from labkit.kernels import BACKENDS, package_problem, static_problem
 
 ROLES = ("chosen", "timed", "failed while timing", "not a candidate", "cannot run here")
 

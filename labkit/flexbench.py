@@ -31,8 +31,8 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from . import kernels, measure
-from .varlen import fa4_varlen, kwargs_accepted, varlen_attend
+from labkit import kernels, measure
+from labkit.varlen import fa4_varlen, kwargs_accepted, varlen_attend
 
 BLOCK = 128          # FlexAttention's default block: the kernels compared read the same block lists
 PASSES = ("fwd", "fwd+bwd")

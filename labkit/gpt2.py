@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from . import attention as attn
-from . import hf_attention
-from .env import default_device
-from .hf_attention import ATTN_NAME, DEFAULT_BACKEND
-from .measure import allocated_bytes, free_memory, is_oom, peak_memory, time_fn
+from labkit import attention as attn
+from labkit import hf_attention
+from labkit.env import default_device
+from labkit.hf_attention import ATTN_NAME, DEFAULT_BACKEND
+from labkit.measure import allocated_bytes, free_memory, is_oom, peak_memory, time_fn
 
 SIZES = {  # n_layer, n_embd, n_head (head dim 64 except tiny), vocab, positions
     # tiny: bytes as tokens; a wider init so a random model does not just echo its input

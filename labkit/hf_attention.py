@@ -21,8 +21,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from . import attention as attn
-from . import rope
+from labkit import attention as attn
+from labkit import rope
 
 ATTN_NAME = "labkit"
 DEFAULT_BACKEND = "auto"  # used when a model's config sets no labkit_backend

@@ -22,12 +22,12 @@ from typing import Callable, Iterable
 import pandas as pd
 import torch
 
-from . import attention as attn
-from . import cliargs as ca
-from . import gpt2, levers, longmem, rope
-from .env import default_device
-from .longsummary import _stop_before, summary  # noqa: F401 - lk.longctx.summary
-from .measure import allocated_bytes, call_ms, free_memory, is_oom, peak_memory
+from labkit import attention as attn
+from labkit import cliargs as ca
+from labkit import gpt2, levers, longmem, rope
+from labkit.env import default_device
+from labkit.longsummary import _stop_before, summary  # noqa: F401 - lk.longctx.summary
+from labkit.measure import allocated_bytes, call_ms, free_memory, is_oom, peak_memory
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .perfmodel import MemoryCoefficients, ModelShape, training_memory
+from labkit.perfmodel import MemoryCoefficients, ModelShape, training_memory
 
 KEYS = ("weights", "grads", "optimizer", "casts", "activations", "attention", "logits")  # summed into total
 

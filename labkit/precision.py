@@ -21,8 +21,8 @@ import warnings
 import pandas as pd
 import torch
 
-from . import attention as attn
-from .measure import is_oom
+from labkit import attention as attn
+from labkit.measure import is_oom
 
 HALF = (torch.float16, torch.bfloat16)
 

@@ -18,10 +18,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import attention as attn
-from . import bench
-from .env import device_info
-from .perfmodel import kind
+from labkit import attention as attn
+from labkit import bench
+from labkit.env import device_info
+from labkit.perfmodel import kind
 
 
 def time_grid(configs: list[dict], backends: Iterable[str], *, causal: Iterable[bool] = (False,),

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import graphtime, measure, profiles
+from labkit import graphtime, measure, profiles
 
 READ_ONLY = "read only"   # the name of read_once's row or column
 # (elements per load, loads in flight per step, warps, programs per SM); bf16: 4096 elements = 8 KB a load

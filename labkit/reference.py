@@ -32,7 +32,7 @@ def _run_facts() -> dict:
 
     import torch
 
-    from . import env
+    from labkit import env
 
     info = env.device_info()
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda or "-"}

@@ -17,8 +17,8 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from . import attention as attn
-from .perfmodel import kind
+from labkit import attention as attn
+from labkit.perfmodel import kind
 
 Roof = Callable[[np.ndarray], np.ndarray]  # intensity (FLOP/byte) -> attainable TFLOP/s
 PhaseCounts = Callable[..., dict]  # (B, H, N, D, elem_bytes=) -> {"QK^T"|"softmax"|"PV": (flop, bytes)}
@@ -127,7 +127,7 @@ def roofline_plot(points: pd.DataFrame, *, roof: Roof, ridge: float, ax=None, la
     points above their roof. Returns the Axes."""
     import matplotlib.pyplot as plt
 
-    from .plots import label
+    from labkit.plots import label
 
     ax = ax or plt.subplots(figsize=(6.4, 4.2))[1]
     xs = pd.concat([points["intensity"], points["intensity_tiled"]]).dropna()

@@ -20,8 +20,8 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from .measure import time_interleaved
-from .roofline import fused_points
+from labkit.measure import time_interleaved
+from labkit.roofline import fused_points
 
 KEYS = ["D", "causal", "mode", "N"]
 

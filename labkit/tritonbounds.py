@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from . import grading, tritonmode
+from labkit import grading, tritonmode
 
 
 def spans(tensors: Iterable) -> list[tuple[int, int]]:

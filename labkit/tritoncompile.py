@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import grading, tritonmode
+from labkit import grading, tritonmode
 
 ARCHS = {80: "sm80 (Ampere)", 90: "sm90 (Hopper)"}
 WORKER = Path(__file__).with_name("tritoncompile_worker.py")

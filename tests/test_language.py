@@ -29,8 +29,8 @@ MAINLAND = re.compile("|".join(TERMS))
 def student_facing_files():
     yield from sorted(ROOT.glob("notebooks/*/*.ipynb"))
     yield from sorted(ROOT.glob("solutions/*/*.ipynb"))
-    yield from sorted(ROOT.glob("labkit/*.py"))
-    yield from sorted(ROOT.glob("labkit/reference_runs/*.json"))
+    yield from sorted(p for p in ROOT.glob("labkit/**/*.py") if "__pycache__" not in p.parts)
+    yield from sorted(ROOT.glob("labkit/**/reference_runs/*.json"))
 
 
 FILES = list(student_facing_files())

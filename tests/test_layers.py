@@ -1,8 +1,8 @@
 """labkit's structure: layers without import cycles, and no exercise answer a student could copy.
 
-Imports are read from the source (module level and inside functions alike: a lazy import is
-still a dependency). labkit ships in the student bundle, so no line of a solution block of
-solutions/ may stand verbatim in it.
+Imports are read from the source of every module, in every subpackage (module level and inside functions
+alike: a lazy import is still a dependency), keyed by dotted name (``labkit.core.measure``). labkit ships in
+the student bundle, so no line of a solution block of solutions/ may stand verbatim in it.
 """
 from __future__ import annotations
 
@@ -15,23 +15,45 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "labkit"
-FLOOR = ("measure", "env", "kernels")  # import no other labkit module
 
 
-def labkit_imports(path: Path) -> set[str]:
-    """The labkit modules ``path`` imports (``from . import x``, ``from .x import y``, ``import labkit.x``)."""
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    """``labkit/core/measure.py`` -> ``labkit.core.measure``; a subpackage's ``__init__.py`` -> its own name."""
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def labkit_imports(path: Path, known: set[str], package: Path = PACKAGE) -> set[str]:
+    """The labkit modules (dotted names in ``known``) that ``path`` imports.
+
+    ``from labkit.core import measure`` names ``labkit.core.measure`` when that is a module, else the package;
+    ``from labkit.core.measure import x`` and ``import labkit.core.measure`` name ``labkit.core.measure``.
+    """
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("labkit.")}
-    return found - {path.stem}
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "labkit"}
+    return found - {module_name(path, package)}
 
 
-GRAPH = {p.stem: labkit_imports(p) for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__")}
+def relative_imports(path: Path) -> list[int]:
+    """Line numbers of relative imports (``from . import x``) in ``path``."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.level > 0]
+
+
+FILES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+KNOWN = {module_name(p) for p in FILES}
+# the package's face (labkit/__init__.py) and the command line (labkit/__main__.py) sit above every layer
+GRAPH = {module_name(p): labkit_imports(p, KNOWN) for p in FILES if module_name(p) not in ("labkit", "labkit.__main__")}
+
+
+def test_the_walk_sees_every_module():
+    assert len(GRAPH) >= 50, f"the walk should reach every labkit module, in subpackages too: {len(GRAPH)}"
 
 
 def test_labkit_imports_have_no_cycles():
@@ -43,25 +65,30 @@ def test_labkit_imports_have_no_cycles():
         if state.get(module) == 2:
             return
         state[module] = 1
-        for dep in sorted(GRAPH[module]):
+        for dep in sorted(GRAPH.get(module, ())):
             visit(dep, path + [module])
         state[module] = 2
         order.append(module)
 
     for module in sorted(GRAPH):
         visit(module, [])
-    assert order.index("measure") < order.index("attention") < order.index("bench")
 
 
-@pytest.mark.parametrize("module", FLOOR)
-def test_the_bottom_floor_imports_no_other_labkit_module(module):
-    assert GRAPH[module] == set(), f"labkit.{module} imports {sorted(GRAPH[module])}"
+@pytest.mark.parametrize("path", FILES, ids=[module_name(p) or "labkit" for p in FILES])
+def test_labkit_imports_are_absolute(path):
+    """An import line names where its target lives, so it changes only when the target moves."""
+    assert not relative_imports(path), f"{path.relative_to(ROOT)}: relative import at lines {relative_imports(path)}"
 
 
-def test_the_cycle_finder_finds_a_cycle(tmp_path):
-    (tmp_path / "a.py").write_text("from . import b\n")
-    (tmp_path / "b.py").write_text("def f():\n    from .a import g\n")
-    assert labkit_imports(tmp_path / "a.py") == {"b"} and labkit_imports(tmp_path / "b.py") == {"a"}
+def test_the_import_reader_reads_every_form(tmp_path):
+    (tmp_path / "labkit" / "core").mkdir(parents=True)
+    known = {"labkit.core", "labkit.core.measure", "labkit.core.env", "labkit.engine.kernels"}
+    a = tmp_path / "labkit" / "core" / "a.py"
+    a.write_text("from labkit.core import measure, env\nimport labkit.engine.kernels\n"
+                 "def f():\n    from labkit.core.measure import time_fn\n    from . import b\n")
+    assert labkit_imports(a, known, tmp_path / "labkit") == {"labkit.core.measure", "labkit.core.env", "labkit.engine.kernels"}
+    assert relative_imports(a) == [5]
+    assert module_name(a, tmp_path / "labkit") == "labkit.core.a"
 
 
 def solution_lines(notebook: Path, min_chars: int = 30) -> set[str]:
@@ -74,7 +101,7 @@ def solution_lines(notebook: Path, min_chars: int = 30) -> set[str]:
 
 
 def test_no_solution_line_stands_in_labkit():
-    labkit_text = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    labkit_text = "\n".join(p.read_text() for p in FILES)
     shared = sorted((nb.parent.name, line) for nb in (ROOT / "solutions").glob("*/*.ipynb")
                     for line in solution_lines(nb) if line in labkit_text)
     assert not shared, f"{len(shared)} solution line(s) a student can copy from labkit: {shared}"
