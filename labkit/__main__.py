@@ -121,7 +121,7 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
             command.error(f"argument --backends: none runs here ({first}); these do: {', '.join(here)}, auto")
     if args.command == "board":
         try:
-            from labkit.board import submissions
+            from labkit.board.rank import submissions
         except ModuleNotFoundError:
             command.error("the board is an instructor's tool and is not in the student bundle; run it from the course "
                           "repository")
@@ -219,7 +219,7 @@ def _execute(args) -> int:
 def _board(args) -> int:
     import secrets
 
-    from labkit import board
+    from labkit.board import rank as board
 
     gpu = not args.cpu and torch.cuda.is_available()
     seed = secrets.randbelow(2**31) if args.seed is None else args.seed

@@ -35,7 +35,7 @@ def smoke(assignment: str) -> None:
     import torch
 
     from board_fixture import variant
-    from labkit import board, boardcommon, boardrun, boardshapes, boardshapes06, boardshapes08, boardshapes09
+    from labkit.board import common as boardcommon, nb06 as boardshapes06, nb08 as boardshapes08, nb09 as boardshapes09, rank as board, specs as boardshapes, worker as boardrun
 
     boardshapes06.FA_TIMED = dict(seq_lens=[256], head_dims=[64], tokens=1024, width=256)
     boardshapes08.DECODE_TIMED, boardcommon.PEAK_N = [(1, 4096), (2, 1000)], 2048
@@ -57,7 +57,7 @@ def run_board(assignment: str, out: Path, students: list[str]) -> int:
 
 def notebook_measurement(assignment: str, out: Path) -> pd.DataFrame:
     """The notebook's own GPU cell on the solution: rows (key columns, notebook) in its units."""
-    from labkit import board, boardrun, boardshapes, boardshapes08
+    from labkit.board import nb08 as boardshapes08, rank as board, specs as boardshapes, worker as boardrun
 
     nb = json.loads((ROOT / "solutions" / assignment / f"{assignment}.ipynb").read_text(encoding="utf-8"))
     by_id = {c.get("id"): "".join(c["source"]) for c in nb["cells"]}

@@ -1,4 +1,4 @@
-"""Tests for the speed-of-light board (``labkit.board``, ``boardrun``, ``boardshapes``, ``boardreport``).
+"""Tests for the speed-of-light board (``labkit.board.rank``, ``boardrun``, ``boardshapes``, ``boardreport``).
 
 The boards run on a CPU through Triton's interpreter (correctness only): synthetic submissions made from the
 solution notebooks (tests/board_fixture.py), one process per student; the 08, 06 and 09 boards run at once, each
@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from board_fixture import ROOT, variant, write_submitted
-from labkit import board, boardreport, boardshapes
+from labkit.board import rank as board, report as boardreport, specs as boardshapes
 
 LIMIT = 60   # s per student, the sleeper's cost: an ok worker took 18 s beside 8 others on 2 cores with 2 more busy
 STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "timeout", "tamper"],
@@ -95,7 +95,7 @@ def test_09_runs_the_kernels_and_their_helpers_not_the_sweep():
 
 
 def test_09_kept_work_counts_the_visible_scores():
-    from labkit import boardshapes09 as b09
+    from labkit.board import nb09 as b09
 
     ids = b09.documents([3, 5])
     assert b09.kept_scores(b09.rule("causal"), 8, "cpu", chunk=3) == 36
@@ -104,7 +104,7 @@ def test_09_kept_work_counts_the_visible_scores():
 
 
 def test_09_scores_both_passes_over_every_shape():
-    from labkit import boardshapes09 as b09
+    from labkit.board import nb09 as b09
 
     work = {(4096, "causal"): 1.0, (8192, "causal"): 1.0}
     rows = [("mine", p, n, t) for p, ts in (("fwd", (0.25, 0.64)), ("fwd+bwd", (0.16, 0.36))) for n, t in zip((4096, 8192), ts)]
@@ -122,8 +122,8 @@ def test_09_timing_on_a_cpu_times_the_solution_forward_and_backward(monkeypatch)
     import torch
 
     from board_fixture import variant
-    from labkit import boardcommon, boardrun
-    from labkit import boardshapes09 as b09
+    from labkit.board import common as boardcommon, worker as boardrun
+    from labkit.board import nb09 as b09
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     monkeypatch.setattr(b09, "TIMED", dict(seq_lens=[256], H=2, d=32))   # two blocks of 128
@@ -206,7 +206,7 @@ def test_a_worker_sees_no_secrets_and_its_own_home(tmp_path, monkeypatch):
     ("return flex_attention(q, q, q)", "flex_attention"),
     ("return q * 2", None)])
 def test_library_attention_beyond_sdpa_is_found(body, reached):
-    from labkit.boardrun import library_reached
+    from labkit.board.worker import library_reached
 
     ns = {"__name__": "__main__"}
     exec("import torch\nfrom torch.nn.attention.flex_attention import flex_attention\n\n\n"  # noqa: S102

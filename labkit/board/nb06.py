@@ -4,7 +4,7 @@ bottom-right causal). Timed by :func:`labkit.bench.attention_sweep` (the noteboo
 sdpa_cudnn and fa4; score: TFLOP/s over the matmul peak, geometric mean over the shapes, forward and
 forward+backward, and of the two.
 
-Used by: :mod:`labkit.boardshapes` (the registry).
+Used by: :mod:`labkit.board.specs` (the registry).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from labkit import boardcommon as common
-from labkit.boardcommon import Spec
+from labkit.board import common
+from labkit.board.common import Spec
 
 def attention_exact(q, k, v, causal: bool, diag: int | None = None, dtype=torch.float64) -> torch.Tensor:
     """Plain attention in ``dtype``: q [B, H, N, D], k, v [B, H, Nk, D] -> o [B, H, N, D]. Causal: row i

@@ -1,11 +1,11 @@
-"""What the board's per-assignment modules share (:mod:`labkit.boardshapes` is the registry).
+"""What the board's per-assignment modules share (:mod:`labkit.board.specs` is the registry).
 
 :class:`Spec`: one assignment's graded names and its board steps (``own``, ``calls``, ``check``, ``time``: see
-:mod:`labkit.boardshapes`); :func:`forbidden`: the library functions no graded function may reach;
+:mod:`labkit.board.specs`); :func:`forbidden`: the library functions no graded function may reach;
 :func:`geomean`; :func:`randn` (inputs from a generator of the board's seed); :func:`compare` (fp32: an absolute
 tolerance; bf16/fp16: the course's 2x rule); :data:`CHECK_DTYPES`; :data:`PEAK_N` (the compute peak's matmul).
 
-Used by: :mod:`labkit.boardshapes06`, :mod:`labkit.boardshapes08`, :mod:`labkit.boardshapes09`.
+Used by: :mod:`labkit.board.nb06`, :mod:`labkit.board.nb08`, :mod:`labkit.board.nb09`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ lengths, both functions and several split counts. Timed as the notebook does (:f
 CUDA graphs of 8 calls over distinct caches, L2 flushed by a read) beside SDPA's kernels and FA4; score: GB/s over
 the read ceiling, geometric mean over the shapes and both functions.
 
-Used by: :mod:`labkit.boardshapes` (the registry).
+Used by: :mod:`labkit.board.specs` (the registry).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from labkit import boardcommon as common
+from labkit.board import common
 from labkit import grading
-from labkit.boardcommon import Spec
+from labkit.board.common import Spec
 
 def decode_exact(q, k, v, lens, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query per sequence over its first lens[b] keys, in ``dtype``.

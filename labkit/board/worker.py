@@ -1,8 +1,8 @@
-"""One submission's run for the board, in its own process: ``python -m labkit.boardrun JOB.json``.
+"""One submission's run for the board, in its own process: ``python -m labkit.board.worker JOB.json``.
 
-:mod:`labkit.board` starts this worker once per student, in a fresh temporary folder (its cwd, HOME and
+:mod:`labkit.board.rank` starts this worker once per student, in a fresh temporary folder (its cwd, HOME and
 TMPDIR), in a process group of its own that it kills at the time limit. ``JOB.json`` holds the assignment,
-the code cells to run (chosen by :func:`labkit.board.cells_to_run`: the student's notebook is never read
+the code cells to run (chosen by :func:`labkit.board.rank.cells_to_run`: the student's notebook is never read
 here), the secret seed, whether to time, and where to write the result, a JSON object
 ``{"status", "detail", "timing"}``. Steps, the first failure deciding the status:
 
@@ -12,7 +12,7 @@ here), the secret seed, whether to time, and where to write the result, a JSON o
    address space far beyond its use, so ``RLIMIT_AS`` cannot cap it).
 2. A snapshot of what a submission could patch to look fast or right: SDPA and the softmaxes, the timers
    (``triton.testing.do_bench``, CUDA events and graphs, ``time.perf_counter``), and every function of
-   labkit's timing, reference and grading modules and of the board's (:mod:`labkit.boardshapes`).
+   labkit's timing, reference and grading modules and of the board's (:mod:`labkit.board.specs`).
 3. The cells, in one namespace named ``__main__`` (as a notebook kernel's); each compiled under its own
    file name kept in ``linecache``, as IPython does, so ``inspect`` and ``@triton.jit`` read its source.
    A cell that raises -> ``error`` (its exception's last line).
@@ -20,10 +20,10 @@ here), the secret seed, whether to time, and where to write the result, a JSON o
    :func:`labkit.grading.check_own_code` (no labkit, SDPA or softmax) and :func:`library_reached` (no flash-attn,
    FlashInfer, xFormers, flex attention or SDPA's kernel ops) (-> ``flagged``); a tiny call of each
    must launch a Triton kernel defined in the notebook (:func:`labkit.tritonmode.launches`, -> ``flagged``).
-5. The assignment's check on fresh inputs (:mod:`labkit.boardshapes`, AssertionError -> ``wrong``), then,
+5. The assignment's check on fresh inputs (:mod:`labkit.board.specs`, AssertionError -> ``wrong``), then,
    on a GPU, its timing, which re-checks the timed calls' results (-> ``wrong``); the snapshot once more.
 
-Used by: :mod:`labkit.board`.
+Used by: :mod:`labkit.board.rank`.
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def _guarded() -> dict[str, object]:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    from labkit import (attention, bench, boardcommon, boardshapes06, boardshapes08, boardshapes09, decode, flexbench,
-                   flexlib, grading, graphtime, measure, readbw, tritonmode)
+    from labkit import attention, bench, decode, flexbench, flexlib, grading, graphtime, measure, readbw, tritonmode
+    from labkit.board import common as boardcommon, nb06 as boardshapes06, nb08 as boardshapes08, nb09 as boardshapes09
 
     found = {f"{owner.__name__}.{name}": getattr(owner, name) for owner, name in [
         (F, "scaled_dot_product_attention"), (F, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"),
@@ -135,7 +135,7 @@ def library_reached(fn) -> str | None:
 
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
     from labkit import grading, tritonmode
-    from labkit.boardshapes import forbidden
+    from labkit.board.specs import forbidden
 
     missing = [name for name in spec.graded if name not in ns]
     if missing:
@@ -173,7 +173,7 @@ def run(job: dict) -> dict:
     import labkit as lk
 
     lk.tritonmode.setup()
-    from labkit.boardshapes import SPECS
+    from labkit.board.specs import SPECS
 
     device = lk.tritonmode.device()
     _limit_memory(job, device)

@@ -7,7 +7,7 @@
   Each library kernel's line is its median score over the students' runs (every run times the library
   kernels beside the student's, in the same process).
 
-Used by: :mod:`labkit.board`.
+Used by: :mod:`labkit.board.rank`.
 """
 from __future__ import annotations
 

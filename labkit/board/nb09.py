@@ -19,15 +19,15 @@ document of ``document_id``).
   backward, as ``lk.attention.flops`` counts) over the measured matmul peak, geometric mean over the 9 shapes per
   pass, then over the two passes; a library kernel gets a score where it ran all 9.
 
-Used by: :mod:`labkit.boardshapes` (the registry).
+Used by: :mod:`labkit.board.specs` (the registry).
 """
 from __future__ import annotations
 
 import torch
 
-from labkit import boardcommon as common
+from labkit.board import common
 from labkit import grading
-from labkit.boardcommon import Spec
+from labkit.board.common import Spec
 
 
 def rule(kind: str, window: int = 0, document_id: torch.Tensor | None = None):

@@ -1,7 +1,7 @@
 """What the speed-of-light board checks and times, per assignment (``python -m labkit board``): :data:`SPECS`.
 
-Each :class:`Spec` (:mod:`labkit.boardcommon`) names the graded functions a notebook must define and gives its
-steps, each run in the student's own process (:mod:`labkit.boardrun`) on the namespace the notebook's cells built:
+Each :class:`Spec` (:mod:`labkit.board.common`) names the graded functions a notebook must define and gives its
+steps, each run in the student's own process (:mod:`labkit.board.worker`) on the namespace the notebook's cells built:
 
 - ``own``: label -> function whose code :func:`labkit.grading.check_own_code` checks (no labkit, no library
   attention or softmax) and whose call must launch Triton kernels defined in the notebook (``calls``: tiny calls);
@@ -12,19 +12,19 @@ steps, each run in the student's own process (:mod:`labkit.boardrun`) on the nam
 - ``time(ns, seed, device, target_ms)``: GPU only. The student's calls beside the library kernels, the notebook's
   timers; then the timed tensors rewritten in place and the calls checked again (a cached output fails).
 
-One module per assignment: :mod:`labkit.boardshapes06` (FlashAttention forward and backward; TFLOP/s over the
-matmul peak), :mod:`labkit.boardshapes08` (decode, split-KV and paged; GB/s over the read ceiling),
-:mod:`labkit.boardshapes09` (block-sparse forward with a sink and backward; TFLOP/s of the kept work over the
+One module per assignment: :mod:`labkit.board.nb06` (FlashAttention forward and backward; TFLOP/s over the
+matmul peak), :mod:`labkit.board.nb08` (decode, split-KV and paged; GB/s over the read ceiling),
+:mod:`labkit.board.nb09` (block-sparse forward with a sink and backward; TFLOP/s of the kept work over the
 matmul peak, beside compiled flex_attention).
 
-Used by: :mod:`labkit.boardrun`, :mod:`labkit.board`.
+Used by: :mod:`labkit.board.worker`, :mod:`labkit.board.rank`.
 """
 from __future__ import annotations
 
-from labkit import boardshapes06, boardshapes08, boardshapes09
-from labkit.boardcommon import CHECK_DTYPES, PEAK_N, Spec, forbidden, geomean
-from labkit.boardshapes06 import attention_exact
-from labkit.boardshapes08 import decode_exact, paged_copy, to_pages
+from labkit.board import nb06 as boardshapes06, nb08 as boardshapes08, nb09 as boardshapes09
+from labkit.board.common import CHECK_DTYPES, PEAK_N, Spec, forbidden, geomean
+from labkit.board.nb06 import attention_exact
+from labkit.board.nb08 import decode_exact, paged_copy, to_pages
 
 __all__ = ["CHECK_DTYPES", "PEAK_N", "SPECS", "Spec", "attention_exact", "decode_exact", "forbidden", "geomean",
            "paged_copy", "to_pages"]

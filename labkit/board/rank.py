@@ -2,7 +2,7 @@
 
 Ranks each student's kernels as a fraction of this GPU's measured limit, with correctness re-checked and
 cheating flagged. ``DIR`` is nbgrader's layout, ``DIR/<student>/<ASSIGNMENT>/<ASSIGNMENT>.ipynb``
-(``submitted/`` or ``autograded/``). Per student, in its own process (:mod:`labkit.boardrun`), one at a time on
+(``submitted/`` or ``autograded/``). Per student, in its own process (:mod:`labkit.board.worker`), one at a time on
 a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
 
 - which cells run (:func:`cells_to_run`): never the test cells (nbgrader ``grade`` without ``solution``), and
@@ -15,7 +15,7 @@ a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
 - statuses: ``ok``; ``wrong`` (a result off at the check's shapes or after the timing); ``flagged`` (library
   attention, softmax or labkit reached; none of the notebook's own Triton kernels launched; a timer, torch or
   the reference monkey-patched); ``error`` (its last line); ``timeout`` (the process group killed).
-- score (GPU): :mod:`labkit.boardshapes` (06: TFLOP/s over the matmul peak; 08: GB/s over the read ceiling;
+- score (GPU): :mod:`labkit.board.specs` (06: TFLOP/s over the matmul peak; 08: GB/s over the read ceiling;
   09: TFLOP/s of the work the mask keeps over the matmul peak; geometric means over fixed shapes), the best
   library kernel's score from the same run beside it.
   ``--cpu`` (or no GPU): Triton's interpreter, every status but no score.
@@ -43,12 +43,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from labkit import boardreport
-from labkit.boardshapes import SPECS
+from labkit.board import report as boardreport
+from labkit.board.specs import SPECS
 
 ASSIGNMENTS = tuple(SPECS)
 STATUSES = ("ok", "wrong", "flagged", "error", "timeout")
-ROOT = Path(__file__).resolve().parents[1]   # the folder holding labkit, for the workers' PYTHONPATH
+ROOT = Path(__file__).resolve().parents[2]   # the folder holding labkit, for the workers' PYTHONPATH
 
 
 def submissions(submitted: Path, assignment: str) -> dict[str, Path]:
@@ -124,7 +124,7 @@ def _env(tmp: Path, gpu: bool) -> dict[str, str]:
 
 def run_student(assignment: str, notebook: Path, *, seed: int, timeout: float, gpu: bool, logs: Path,
                 student: str, target_ms: float = 30.0, memory_gb: float | None = None) -> dict:
-    """One submission through :mod:`labkit.boardrun` in its own process group, cwd a fresh temporary folder.
+    """One submission through :mod:`labkit.board.worker` in its own process group, cwd a fresh temporary folder.
 
     Returns {"status", "detail", "timing", "seconds"}; a crash, a missing result or the time limit
     (the process group killed) is reported here, never raised."""
@@ -141,7 +141,7 @@ def run_student(assignment: str, notebook: Path, *, seed: int, timeout: float, g
         (tmp / "job.json").write_text(json.dumps(job), encoding="utf-8")
         log = logs / f"{student}.log"
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "labkit.boardrun", str(tmp / "job.json")], cwd=tmp,
+            proc = subprocess.Popen([sys.executable, "-m", "labkit.board.worker", str(tmp / "job.json")], cwd=tmp,
                                     env=_env(tmp, gpu), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 proc.wait(timeout=timeout)
