@@ -17,7 +17,7 @@ from labkit import tritonbench, tritonbounds, tritoncompile  # noqa: E402
 from labkit import cpcpu, cpmem, cprun, cptrain, ringproc  # noqa: E402
 from labkit import decode  # noqa: E402
 from labkit import flexbench, flexlib, packtrain  # noqa: E402
-from labkit import reference  # noqa: E402
+from labkit.course import reference  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["amp", "attention", "bench", "cpcpu", "cpmem", "cprun", "cptrain", "decode", "doctor", "env", "explain",

@@ -66,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     executed = ca.folder("[0-9][0-9]_*.ipynb", "the folder make execute wrote", "build/execute")
     reference.add_argument("--from", dest="executed", type=executed, default="build/execute",
                            help="folder of executed notebooks (make execute)")
-    reference.add_argument("--out", type=ca.out_folder("labkit/reference_runs"), default=None,
-                           help="default: labkit/reference_runs")
+    reference.add_argument("--out", type=ca.out_folder("labkit/course/reference_runs"), default=None,
+                           help="default: labkit/course/reference_runs")
     bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
     bundle.add_argument("--root", type=ca.folder("solutions", COURSE, "'.' run from it"), default=".",
                         help="course folder (holds solutions/)")
@@ -99,7 +99,7 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
     """What the options' types cannot check alone; each answers as argparse does (one line, exit status 2)."""
     command = parser.commands[args.command]
     if args.command == "execute" and args.only:
-        from labkit.execute import solution_notebooks
+        from labkit.course.execute import solution_notebooks
 
         have = [p.stem for p in solution_notebooks(args.root)]
         missing = [o for o in args.only if not any(h.startswith(o) for h in have)]
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "board":
         return _board(args)
     if args.command == "reference":
-        from labkit import reference
+        from labkit.course import reference
 
         for path in reference.build(args.executed, **({"out": args.out} if args.out else {})):
             print(f"wrote {path}")
@@ -205,7 +205,7 @@ def _vs_direct(args, configs: list[dict], causal: tuple[bool, ...]) -> int:
 
 
 def _execute(args) -> int:
-    from labkit import execute
+    from labkit.course import execute
 
     runs = execute.execute_all(args.root, args.out, only=args.only, profile=args.profile, timeout=args.timeout,
                                strict=args.strict)
@@ -234,7 +234,7 @@ def _board(args) -> int:
 
 
 def _bundle(args) -> int:
-    from labkit import bundle
+    from labkit.course import bundle
 
     try:
         path = bundle.build_bundle(args.root, args.out)

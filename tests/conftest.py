@@ -21,10 +21,10 @@ torch.set_num_threads(1)
 def pytest_configure(config):
     """Kernels started by this run (nbval's solution notebooks, nbgrader's autograde) are guarded.
 
-    They inherit IPYTHONDIR, whose startup file installs labkit.runguard: a network access or a
+    They inherit IPYTHONDIR, whose startup file installs labkit.course.runguard: a network access or a
     DeprecationWarning/FutureWarning from torch, transformers, labkit or the notebook fails the cell.
     """
-    from labkit.execute import guard_startup_dir
+    from labkit.course.execute import guard_startup_dir
 
     stack = contextlib.ExitStack()
     os.environ["IPYTHONDIR"] = stack.enter_context(guard_startup_dir())

@@ -1,4 +1,4 @@
-"""Tests for labkit.bundle: the student zip holds what students need and no solution text."""
+"""Tests for labkit.course.bundle: the student zip holds what students need and no solution text."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import bundle
+from labkit.course import bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from labkit import cpcpu, cpmem, cptrain, longmem
+from labkit import cpcpu, cpmem, cptrain, longmem, reference
 from labkit.perfmodel import ModelShape
 
 SMALL = ModelShape.gpt2("small")
@@ -20,7 +20,7 @@ GIB = 2**30
 
 # Peaks measured on H200s (torch 2.11, GPT-2 small, --checkpointing, bf16; cp-train): (N, P) -> GiB per GPU,
 # the largest rank's; 65,536 at P = 1, 2, 4 from 07's reference run (4x H200; P = 1 and 2 again on two other 2x H200),
-# 128K at P = 1 and 2 again on the third, 256K at P = 1, 2, 4 and 2M at P = 4 from labkit/reference_runs/cp_train_h200.json
+# 128K at P = 1 and 2 again on the third, 256K at P = 1, 2, 4 and 2M at P = 4 from labkit/course/reference_runs/cp_train_h200.json
 # (checked against it below).
 MEASURED = {(131072, 1): 18.9, (262144, 1): 36.1, (524288, 1): 66.7,
             (131072, 2): 10.9, (262144, 2): 20.2, (1 << 20, 2): 69.0,
@@ -67,7 +67,7 @@ def test_measured_points_are_the_stored_runs():
     import json
     from pathlib import Path
 
-    stored = json.loads((Path(cpmem.__file__).parent / "reference_runs" / "cp_train_h200.json").read_text())
+    stored = json.loads((Path(reference.__file__).parent / "reference_runs" / "cp_train_h200.json").read_text())
     one_host = stored["one_host_x4"]["runs"]   # the same points again on one 4-GPU host
     second = stored["second_x2"]["runs"]   # 65,536 at P = 1 and 2 again, on another 2-GPU machine
     third = stored["third_x2"]["runs"]     # 65,536 and 131,072 at P = 1 and 2, on a third one

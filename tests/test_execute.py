@@ -1,4 +1,4 @@
-"""Tests for labkit.execute: executed copies, the summary page, and the guard inside real kernels.
+"""Tests for labkit.course.execute: executed copies, the summary page, and the guard inside real kernels.
 
 A tiny course (one notebook) runs in a real ipykernel: its summary cell prints and plots, one cell
 prints a GPU-only notice, one raises, one reaches for the network and one calls deprecated code.
@@ -15,7 +15,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from labkit import execute
+from labkit.course import execute
 
 CELLS = {
     "measure": ('import matplotlib.pyplot as plt\nprint("speedup 3.0x")\nplt.plot([1, 2]); plt.show()', ["summary"]),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import labkit
 import pytest
-from labkit import bundle
+from labkit.course import bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAIN = re.compile(r"(?<![\w.])(?:lk|labkit)((?:\.[A-Za-z_]\w*)+)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from labkit.bundle import MARKERS
+from labkit.course.bundle import MARKERS
 from nbgrader_course import (ASSIGNMENTS, ROOT, load, make_course, nbgrader_cells, perfect_submission,
                              run_nbgrader, scores, submit)
 

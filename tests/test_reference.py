@@ -1,4 +1,4 @@
-"""labkit.reference: every GPU-only cell shows the course's reference GPU run, labelled as such."""
+"""labkit.course.reference: every GPU-only cell shows the course's reference GPU run, labelled as such."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import re
 import nbformat
 import pytest
 
-from labkit import reference
+from labkit.course import reference
 
 from notebook_grader import ROOT
 

@@ -1,4 +1,4 @@
-"""Tests for labkit.runguard: no network, no deprecation warnings from the code the course controls.
+"""Tests for labkit.course.runguard: no network, no deprecation warnings from the code the course controls.
 
 The guard patches process-wide state (socket, warnings), so each check runs in a fresh interpreter.
 """
@@ -10,11 +10,11 @@ import textwrap
 
 import pytest
 
-from labkit.runguard import is_local
+from labkit.course.runguard import is_local
 
 
 def _guarded(code: str, mode: str = "raise") -> subprocess.CompletedProcess:
-    program = f"import labkit.runguard as g\ng.install({mode!r})\ng.install({mode!r})  # idempotent\n"
+    program = f"import labkit.course.runguard as g\ng.install({mode!r})\ng.install({mode!r})  # idempotent\n"
     program += textwrap.dedent(code)
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
 
@@ -135,7 +135,7 @@ def test_report_mode_prints_and_goes_on():
 
 
 def test_unknown_mode_is_named():
-    from labkit import runguard
+    from labkit.course import runguard
 
     with pytest.raises(ValueError, match="'loud' is not one of"):
         runguard.install("loud")

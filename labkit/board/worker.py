@@ -6,7 +6,7 @@ the code cells to run (chosen by :func:`labkit.board.rank.cells_to_run`: the stu
 here), the secret seed, whether to time, and where to write the result, a JSON object
 ``{"status", "detail", "timing"}``. Steps, the first failure deciding the status:
 
-1. Guards: the course's no-network guard (:func:`labkit.runguard.install`, ``report`` mode: a connection
+1. Guards: the course's no-network guard (:func:`labkit.course.runguard.install`, ``report`` mode: a connection
    fails, a warning only prints); a memory limit, ``memory_gb`` (CPU: ``RLIMIT_AS``, default 16 GiB; GPU: a
    fraction of the card through ``torch.cuda.set_per_process_memory_fraction``, default 90%: CUDA reserves
    address space far beyond its use, so ``RLIMIT_AS`` cannot cap it).
@@ -167,7 +167,7 @@ def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> di
 
 def run(job: dict) -> dict:
     """The job's result: {"status", "detail", "timing"} (timing: the spec's timing dict, or None)."""
-    from labkit import runguard
+    from labkit.course import runguard
 
     runguard.install("report")
     import labkit as lk

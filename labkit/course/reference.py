@@ -7,7 +7,7 @@ figures), under a heading that names the device, the date and the versions. A re
 then sees the numbers the written questions ask about, and knows whose they are.
 
 The reference run is made by one command on a GPU machine (``make reference``: ``make execute``,
-then :func:`build` from the executed copies); it writes ``labkit/reference_runs/NN_slug.json``
+then :func:`build` from the executed copies); it writes ``labkit/course/reference_runs/NN_slug.json``
 (one per notebook): the run's facts and, for every code cell whose source calls ``gpu_only``, its
 outputs (text, HTML tables, PNG figures).
 

@@ -9,7 +9,7 @@ unless one is forced, and writes under ``build/execute/``:
   (text and figures) of the cells tagged ``summary`` -- the measured results the prose relies on;
 - ``summary.json``: the same facts for scripts; ``figures/``: the summary's images.
 
-Each kernel runs with ``HF_HUB_OFFLINE=1`` under :mod:`labkit.runguard` (no network, no
+Each kernel runs with ``HF_HUB_OFFLINE=1`` under :mod:`labkit.course.runguard` (no network, no
 deprecation warnings from torch, transformers, labkit or the notebook), in "report" mode by
 default (violations are listed in the summary) or "raise" mode (``strict``: they fail the cell).
 A failing cell does not stop the run: its error is recorded and the next cell runs, and the
@@ -31,11 +31,11 @@ from pathlib import Path
 from unittest import mock
 
 from labkit.env import GPU_ONLY_PREFIX
-from labkit.runguard import REPORT_PREFIX
+from labkit.course.runguard import REPORT_PREFIX
 
 SUMMARY_TAG = "summary"
 _OBJECT_REPR = re.compile(r"^<[^\n]*(size|at 0x)[^\n]*>$")
-GUARD_STARTUP = "import os\nimport labkit.runguard\nlabkit.runguard.install(os.environ.get('LABKIT_RUNGUARD', 'raise'))\n"
+GUARD_STARTUP = "import os\nimport labkit.course.runguard\nlabkit.course.runguard.install(os.environ.get('LABKIT_RUNGUARD', 'raise'))\n"
 
 
 @dataclass
@@ -53,7 +53,7 @@ class NotebookRun:
     code_cells: int
     errors: list[CellError] = field(default_factory=list)
     gpu_only_cells: list[str] = field(default_factory=list)
-    guard_reports: list[str] = field(default_factory=list)  # "cell-id: message" from labkit.runguard
+    guard_reports: list[str] = field(default_factory=list)  # "cell-id: message" from labkit.course.runguard
     results: list[dict] = field(default_factory=list)  # {"cell_id", "text", "figures": [relative paths]}
 
 
@@ -69,7 +69,7 @@ def solution_notebooks(root: Path, only: list[str] | None = None) -> list[Path]:
 
 @contextlib.contextmanager
 def guard_startup_dir():
-    """A temporary IPYTHONDIR whose startup file installs :mod:`labkit.runguard` in every kernel."""
+    """A temporary IPYTHONDIR whose startup file installs :mod:`labkit.course.runguard` in every kernel."""
     with tempfile.TemporaryDirectory(prefix="labkit-ipython-") as ipython_dir:
         startup = Path(ipython_dir) / "profile_default" / "startup"
         startup.mkdir(parents=True)
