@@ -136,7 +136,7 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["cp-train"]:
-        from labkit import cprun
+        from labkit.cp import run as cprun
 
         return cprun.main(argv[1:])
     if argv[:1] == ["longctx"]:

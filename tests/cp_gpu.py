@@ -83,7 +83,7 @@ def bandwidth(args) -> int:
         return subprocess.call(cmd, cwd=ROOT)
     rows = bandwidth_worker([int(s) for s in args.sizes.split(",")], repeats=5)
     if os.environ["RANK"] == "0":
-        from labkit import cpmem
+        from labkit.cp import memory as cpmem
 
         h = 768  # GPT-2 small: one ring hop per layer and step sends K and V of the local tokens, bf16
         for row in rows:

@@ -1,4 +1,4 @@
-"""labkit.cpmem: the memory model on P devices (what shards, what is replicated, what is alive at the peak).
+"""labkit.cp.memory: the memory model on P devices (what shards, what is replicated, what is alive at the peak).
 
 The CPU tests count what a step allocates (op by op, in fp32) in one process and in 2 gloo
 processes under torch's own context parallelism, and compare it with cpmem's terms.
@@ -11,7 +11,8 @@ import weakref
 import pytest
 import torch
 
-from labkit import cpcpu, cpmem, cptrain, longmem, reference
+from labkit import longmem, reference
+from labkit.cp import cpu as cpcpu, memory as cpmem, train as cptrain
 from labkit.perfmodel import ModelShape
 
 SMALL = ModelShape.gpt2("small")

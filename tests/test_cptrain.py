@@ -1,4 +1,4 @@
-"""labkit.cptrain and labkit.cprun (``python -m labkit cp-train``).
+"""labkit.cp.train and labkit.cp.run (``python -m labkit cp-train``).
 
 PyTorch's context parallelism runs SDPA's CUDA kernels only: on a CPU these tests check the step
 in one process, the attention contract context parallelism needs (SDPA with ``is_causal=True``
@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import cpcpu, cptrain, levers
-from labkit.ringproc import _free_port
+from labkit import levers
+from labkit.cp import cpu as cpcpu, train as cptrain
+from labkit.cp.ring import _free_port
 
 ENV = {**os.environ, "LABKIT_PROFILE": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
@@ -160,7 +161,7 @@ def test_sharded_buffers_keep_positions_and_labels_aligned():
 def _cp_steps(mesh, argv: list[str]) -> tuple:
     """Torch's context parallelism on CPU (lk.cpcpu), then the same step in this process alone:
     (cp (loss, grads), single (loss, grads), --check result, train rows of both ranks)."""
-    from labkit import cprun
+    from labkit.cp import run as cprun
 
     cpcpu.install()
     cpu, args = torch.device("cpu"), cprun.parser().parse_args(argv)
@@ -227,7 +228,7 @@ def test_cli_context_parallel_on_cpu_processes(tmp_path):
 def test_cli_cpu_hides_the_gpus(monkeypatch):
     """--cpu: the command runs again with no GPU visible (so a one-GPU machine can run 2 CPU processes);
     launch(cpu=True) passes that environment and the flag, and prints the command."""
-    from labkit import cprun
+    from labkit.cp import run as cprun
 
     calls = []
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
@@ -249,7 +250,7 @@ def test_cli_cpu_hides_the_gpus(monkeypatch):
 
 
 def test_cli_asks_for_one_gpu_per_process(monkeypatch, capsys):
-    from labkit import cprun
+    from labkit.cp import run as cprun
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -271,7 +272,7 @@ def test_cli_asks_for_one_gpu_per_process(monkeypatch, capsys):
 def test_cli_refuses_a_length_the_load_balancer_cannot_split(argv, rule, monkeypatch, capsys):
     """Context parallelism cuts the sequence into 2 equal chunks per process (head-tail load balancing):
     a length that is no multiple of 2P is refused before torchrun starts (it used to abort a gloo rank)."""
-    from labkit import cprun
+    from labkit.cp import run as cprun
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(cprun.subprocess, "call", lambda *a, **k: pytest.fail("nothing may start"))
@@ -283,7 +284,7 @@ def test_cli_refuses_a_length_the_load_balancer_cannot_split(argv, rule, monkeyp
 def test_cli_any_length_for_one_process_and_torchruns_world_for_a_worker(monkeypatch):
     """One process has no load balancer: any length >= 2. A torchrun worker (whose --nproc was dropped)
     checks the length against torchrun's world size."""
-    from labkit import cprun
+    from labkit.cp import run as cprun
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert cprun.parse(["--seq-len", "257", "--single"]).seq_len == 257
@@ -332,7 +333,7 @@ def test_two_gpus_train_with_one_gpus_loss(tmp_path):
 def test_two_nodes_of_one_cpu_process_each(tmp_path):
     """Several machines: the same command on each, meeting at torchrun's c10d rendezvous (here 2 "nodes"
     on this machine, 1 gloo process each): --check passes over the 2 nodes' ranks, rank 0 reports."""
-    from labkit.ringproc import _free_port
+    from labkit.cp.ring import _free_port
 
     endpoint = f"127.0.0.1:{_free_port()}"
     outs = [tmp_path / f"node{i}.json" for i in range(2)]
@@ -348,7 +349,7 @@ def test_two_nodes_of_one_cpu_process_each(tmp_path):
 
 
 def test_several_nodes_need_a_rendezvous(monkeypatch, capsys):
-    from labkit import cprun
+    from labkit.cp import run as cprun
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(cprun.subprocess, "call", lambda *a, **k: pytest.fail("nothing may start"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import labkit as lk
-import labkit.cpmem
+import labkit.cp.memory
 
 SIZES = dict(cpu=dict(n=128, steps=2), gpu=dict(n=4096, steps=50))
 

@@ -1,4 +1,4 @@
-"""labkit.ringproc: block attention, the simulated ring and the ring as gloo processes.
+"""labkit.cp.ring: block attention, the simulated ring and the ring as gloo processes.
 
 The merge of two partial results is the reader's exercise, so the tests bring their own.
 """
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import ringproc
+from labkit.cp import ring as ringproc
 
 
 def merge(o1, lse1, o2, lse2):

@@ -18,11 +18,11 @@ over the mesh. What the model must do for it (found on PyTorch 2.11, 2x H200):
   collective, so every rank holds the whole sequence's K/V of a layer (memory that grows with N,
   not N/P) and that one transfer must hide behind the first step's compute alone;
   ``"alltoall"`` passes each rank's chunk to the next, step by step, as notebook 07 teaches and
-  :mod:`labkit.cpmem` models. (The backward passes dK/dV hop by hop whatever the setting.)
+  :mod:`labkit.cp.memory` models. (The backward passes dK/dV hop by hop whatever the setting.)
 
-:func:`train` runs the measured steps; :mod:`labkit.cprun` is ``python -m labkit cp-train`` (it
+:func:`train` runs the measured steps; :mod:`labkit.cp.run` is ``python -m labkit cp-train`` (it
 starts itself under ``torchrun`` for ``--nproc`` > 1) and its check against one GPU. Torch's ring
-calls SDPA's CUDA kernels; without a GPU the processes use gloo and :mod:`labkit.cpcpu`'s CPU
+calls SDPA's CUDA kernels; without a GPU the processes use gloo and :mod:`labkit.cp.cpu`'s CPU
 kernel in their place, so the same step runs on a CPU too.
 
 Used in: 07_context_parallel.
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labkit import cpmem, gpt2, levers, longmem
+from labkit import gpt2, levers, longmem
+from labkit.cp import memory as cpmem
 
 ATTN_NAME = "labkit_cp"
 ROTATE_METHOD = "alltoall"  # torch's name for the ring: each rank passes its K/V chunk to the next, P-1 hops

@@ -6,9 +6,9 @@
   ``--standalone``, run the same command on each of the M machines). It runs under any other
   ``torchrun`` launch too, one machine or several: the world is torchrun's (``WORLD_SIZE``, ``RANK``,
   ``LOCAL_RANK``; each rank takes its node's GPU ``LOCAL_RANK``). Under ``torchrun`` each rank joins
-  the process group (NCCL on GPUs; gloo on CPU processes, see :mod:`labkit.cpcpu`) and a 1-D device
+  the process group (NCCL on GPUs; gloo on CPU processes, see :mod:`labkit.cp.cpu`) and a 1-D device
   mesh over every rank of every node, then
-  trains (:func:`lk.cptrain.train <labkit.cptrain.train>`) or, with ``--check``, compares with one GPU.
+  trains (:func:`lk.cptrain.train <labkit.cp.train.train>`) or, with ``--check``, compares with one GPU.
 - :func:`parse`: the options, checked before anything starts (argparse's one line, exit status 2):
   with P processes the length must split into 2P equal chunks (head-tail load balancing), ``--check``
   needs 2 or more, and each process a GPU where GPUs are used.
@@ -40,7 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from labkit import cliargs as ca
-from labkit import cpcpu, cptrain, profiles
+from labkit import profiles
+from labkit.cp import cpu as cpcpu, train as cptrain
 
 
 def parser() -> argparse.ArgumentParser:
@@ -122,7 +123,7 @@ def _relaunch(argv: list[str], nproc: int, nnodes: int = 1, endpoint: str | None
 def _setup(single: bool):
     """(mesh or None, device): join torchrun's group and build a 1-D mesh, or one process alone.
 
-    On GPUs: NCCL, one GPU per rank. Without CUDA: gloo on CPU processes, with :mod:`labkit.cpcpu`'s
+    On GPUs: NCCL, one GPU per rank. Without CUDA: gloo on CPU processes, with :mod:`labkit.cp.cpu`'s
     CPU kernel standing in for the CUDA one PyTorch's ring attention calls.
     """
     distributed = "LOCAL_RANK" in os.environ and not single
