@@ -1,4 +1,4 @@
-"""labkit.flexlib and labkit.flexbench: flex_attention across versions, a block mask's lists and plot, the GPU sweep."""
+"""labkit.flex.lib and labkit.flex.bench: flex_attention across versions, a block mask's lists and plot, the GPU sweep."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import flexbench, flexlib, plots, varlen
+from labkit import plots
+from labkit.flex import bench as flexbench, lib as flexlib, varlen
 
 matplotlib.use("Agg")
 

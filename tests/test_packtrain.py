@@ -1,4 +1,4 @@
-"""labkit.packtrain: packed GPT-2 training equals the documents run one by one, and no document reaches another.
+"""labkit.flex.packtrain: packed GPT-2 training equals the documents run one by one, and no document reaches another.
 
 A tiny GPT-2 (2 layers, width 64) in fp32 on a CPU. The packed attention here is SDPA with the dense
 document-causal mask (the notebook's kernels are exercise answers, so the tests bring their own attention).
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import packtrain
+from labkit.flex import packtrain
 
 DOCS = [torch.tensor(d) for d in ([5, 6, 7, 8, 9], [40, 41, 42], [100, 17, 3, 9, 60, 61, 62, 1], [7], [33, 34])]
 

@@ -14,7 +14,7 @@ from mutants import load
 from notebook_grader import NotebookRunner, exercises, setup_cells
 
 import labkit as lk
-import labkit.flexlib
+import labkit.flex.lib
 import labkit.tritoncompile as tc
 from triton.runtime import OutOfResources   # after labkit, which sets TRITON_INTERPRET=1 on a CPU
 

@@ -3,7 +3,7 @@
 ``sparse_attention(q, k, v, lists, block, mask=, window=, document_id=, sink=)`` -> (o, lse) and
 ``sparse_attention_backward(q, k, v, o, lse, do, lists, block, mask=, window=, document_id=)`` -> (dq, dk, dv);
 q [B, H, Nq, d], k, v [B, H, Nk, d]; ``lists``: ``create_block_mask``'s eight lists for (batch 0, head 0)
-(:func:`labkit.flexlib.torch_lists`, the board's own, never the student's ``block_lists``); masks "causal"
+(:func:`labkit.flex.lib.torch_lists`, the board's own, never the student's ``block_lists``); masks "causal"
 (top-left: q_idx >= kv_idx), "window" (causal and q_idx - kv_idx <= window), "document" (causal inside each
 document of ``document_id``).
 
@@ -11,7 +11,7 @@ document of ``document_id``).
   (causal with Nq > Nk: rows that see the key tail's bounds; a window with Nq < Nk; documents index q and k with one id list, so Nq = Nk), uneven
   documents, a sink on the forward and its lse given to the backward; against float64 autograd through a dense
   attention with the same boolean table (the sink one more score column, value 0).
-- Time (GPU, forward and forward+backward): :func:`labkit.flexbench.sweep` (the notebook's sweep:
+- Time (GPU, forward and forward+backward): :func:`labkit.flex.bench.sweep` (the notebook's sweep:
   ``torch.compile(flex_attention)`` and its FLASH backend, SDPA with a dense mask, FA4, varlen in the same run;
   the libraries' backward through autograd) at B = 1, H = 16, d = 128, bf16, N = 4K/8K/16K, masks causal,
   window 1024 and 16 documents; then the timed tensors rewritten in place and the student's forward checked
@@ -74,7 +74,7 @@ BLOCK = {"cpu": 16, "cuda": 128, "cuda float32": 32}   # fp32 tiles of 128 x 128
 
 
 def _check(ns: dict, seed: int, device: torch.device) -> None:
-    from labkit import flexlib
+    from labkit.flex import lib as flexlib
 
     fwd, bwd = ns["sparse_attention"], ns["sparse_attention_backward"]
     shapes = [(s, t) for s in SHAPES[device.type] for t in common.CHECK_DTYPES[device.type]]
@@ -109,7 +109,7 @@ def _check(ns: dict, seed: int, device: torch.device) -> None:
 
 
 def _calls(ns: dict, device: torch.device) -> dict:
-    from labkit import flexlib
+    from labkit.flex import lib as flexlib
 
     x = torch.randn(1, 1, 32, 16, device=device)
     lists = {n: t.to(device) for n, t in flexlib.torch_lists(rule("causal"), 32, 32, 16).items()}
@@ -156,7 +156,8 @@ def scores(ok, work: dict, peak: float) -> dict:
 
 
 def _time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
-    from labkit import attention, bench, flexbench
+    from labkit import attention, bench
+    from labkit.flex import bench as flexbench
 
     fn, bwd, kept, H, d = ns["sparse_attention"], ns["sparse_attention_backward"], {}, TIMED["H"], TIMED["d"]
     cases = [dict(c, rule=lambda N, c=c: rule(c["kind"], c.get("window", 0), _ids(c, N, device)),

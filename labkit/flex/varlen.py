@@ -4,7 +4,7 @@ q, k, v [T, H, d] hold the documents one after another; ``cu_seqlens`` [n_docs +
 each starts; attention is causal inside each document and never crosses one. Both libraries rename keywords between
 versions, so the calls read the installed signatures (:func:`kwargs_accepted`).
 
-Used in: 09_flex_attention (through :mod:`labkit.flexbench` and :mod:`labkit.packtrain`).
+Used in: 09_flex_attention (through :mod:`labkit.flex.bench` and :mod:`labkit.flex.packtrain`).
 """
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from labkit import flexbench, gpt2, measure, varlen
+from labkit import gpt2, measure
+from labkit.flex import bench as flexbench, varlen
 
 ATTN_NAME = "labkit_packed"   # the attention implementation of a packed model (no "flash" in it: see hf_attention)
 PADDED = "padded_sdpa"        # train()'s name for the unpacked reference: padded rows, SDPA with the padding mask

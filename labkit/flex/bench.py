@@ -19,7 +19,7 @@ time: the forwards with each other, then the forward+backwards, so that a 0.2-ms
 15-ms forward+backwards (:func:`_timed_by_pass`).
 :func:`build_block_mask` builds each block mask (compiled when the eager build runs out of memory);
 :func:`block_mask_cost` times the eager ``create_block_mask`` itself, the first call and later ones. The packed
-(varlen) calls are :mod:`labkit.varlen`'s, which the notebook's training step uses too.
+(varlen) calls are :mod:`labkit.flex.varlen`'s, which the notebook's training step uses too.
 
 Used in: 09_flex_attention.
 """
@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from labkit import kernels, measure
-from labkit.varlen import fa4_varlen, kwargs_accepted, varlen_attend
+from labkit.flex.varlen import fa4_varlen, kwargs_accepted, varlen_attend
 
 BLOCK = 128          # FlexAttention's default block: the kernels compared read the same block lists
 PASSES = ("fwd", "fwd+bwd")
