@@ -15,7 +15,7 @@ from labkit import perfmodel, predictor, profiling, roofline  # noqa: E402
 from labkit import amp, precision  # noqa: E402
 from labkit import tritonbench, tritonbounds, tritoncompile  # noqa: E402
 from labkit.cp import cpu as cpcpu, memory as cpmem, ring as ringproc, run as cprun, train as cptrain  # noqa: E402
-from labkit import decode  # noqa: E402
+from labkit.decoding import decode  # noqa: E402
 from labkit.flex import bench as flexbench, lib as flexlib, packtrain  # noqa: E402
 from labkit.course import reference  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Tests for labkit.decode: bytes counted, SDPA's decode sweep, the page table, K/V writes, paged generation."""
+"""Tests for labkit.decoding.decode: bytes counted, SDPA's decode sweep, the page table, K/V writes, paged generation."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import decode, readbw
+from labkit.decoding import decode, readbw
 
 
 class ListAllocator:
@@ -334,7 +334,7 @@ def test_a_call_that_breaks_its_capture_is_reported_and_the_next_one_still_repla
     """In a process of its own: a failed capture leaves CUDA's default generator unusable for the rest."""
     code = """
 import torch
-from labkit import decode, readbw
+from labkit.decoding import decode, readbw
 x = torch.ones(4, device="cuda")
 replays, errors = decode.graphed({"syncs": lambda: x.sum().item(), "fine": lambda: x * 2}, "cuda")
 assert set(errors) == {"syncs"} and set(replays) == {"fine"}, (errors, replays)

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from labkit import graphtime
+from labkit.decoding import graphtime
 
 
 def _failed_call(keep) -> tuple[BaseException, weakref.ref]:

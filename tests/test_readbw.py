@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import bench, readbw
+from labkit import bench
+from labkit.decoding import readbw
 
 
 def test_read_bandwidth_on_cpu_is_a_positive_rate_and_refuses_an_empty_buffer():

@@ -1,6 +1,6 @@
 """The board's 08_decode_attention: ``decode_split(q, k, v, seqlens)`` and ``paged_decode(q, k_pages, v_pages,
 table, seqlens)``, q [B, H_q, d], k, v [B, N, H_kv, d], pages [num_pages, page, H_kv, d]. Check: GQA with uneven
-lengths, both functions and several split counts. Timed as the notebook does (:func:`labkit.graphtime.time_per_call`:
+lengths, both functions and several split counts. Timed as the notebook does (:func:`labkit.decoding.graphtime.time_per_call`:
 CUDA graphs of 8 calls over distinct caches, L2 flushed by a read) beside SDPA's kernels and FA4; score: GB/s over
 the read ceiling, geometric mean over the shapes and both functions.
 
@@ -89,7 +89,7 @@ def _decode_recheck(calls: dict[str, Callable[[], torch.Tensor]], tensors: tuple
                     where: str) -> None:
     """The timed calls after ``tensors`` (q, k, v, k_pages, v_pages, table, lens) got new values in place: called, and
     on a GPU replayed from a graph captured before: a cache keyed on the tensors or an empty capture fails."""
-    from labkit import graphtime
+    from labkit.decoding import graphtime
 
     q, k, v, kp, vp, table, lens = tensors
     page, g = kp.shape[1], q.shape[1] // k.shape[2]
@@ -114,7 +114,7 @@ def _decode_recheck(calls: dict[str, Callable[[], torch.Tensor]], tensors: tuple
 
 
 def _decode_time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
-    from labkit import decode
+    from labkit.decoding import decode
 
     split, paged, gen, rows = ns["decode_split"], ns["paged_decode"], torch.Generator().manual_seed(seed), []
     hq, hkv, d, page = DECODE_HEADS

@@ -50,7 +50,8 @@ def _guarded() -> dict[str, object]:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    from labkit import attention, bench, decode, grading, graphtime, measure, readbw, tritonmode
+    from labkit import attention, bench, grading, measure, tritonmode
+    from labkit.decoding import decode, graphtime, readbw
     from labkit.flex import bench as flexbench, lib as flexlib
     from labkit.board import common as boardcommon, nb06 as boardshapes06, nb08 as boardshapes08, nb09 as boardshapes09
 

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit.graphtime import capture, warm_up
+from labkit.decoding.graphtime import capture, warm_up
 
 
 def page_table(pages: list[list[int]], *, width: int | None = None, device=None) -> torch.Tensor:

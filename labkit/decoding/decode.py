@@ -10,10 +10,10 @@ student's code, never an answer:
   paged cache through its ``page_table``.
 - :func:`sdpa_decode_sweep`: those kernels at query length 1 over context length and batch, as achieved
   GB/s (a tidy DataFrame).
-- Re-exported so the notebook reads ``lk.decode.*``: CUDA-graph timing from :mod:`labkit.graphtime`
+- Re-exported so the notebook reads ``lk.decode.*``: CUDA-graph timing from :mod:`labkit.decoding.graphtime`
   (:func:`graphed`, :func:`layered`, :func:`caches_for`, :func:`time_per_call`, :data:`LAYERS`), the read-only
-  ceiling and reference from :mod:`labkit.readbw` (:func:`read_bandwidth`, :func:`read_once`), and the paged
-  cache's plumbing from :mod:`labkit.paged` (:func:`page_table`, :func:`write_kv`, :func:`generate_paged`).
+  ceiling and reference from :mod:`labkit.decoding.readbw` (:func:`read_bandwidth`, :func:`read_once`), and the paged
+  cache's plumbing from :mod:`labkit.decoding.paged` (:func:`page_table`, :func:`write_kv`, :func:`generate_paged`).
 - :func:`fa4_num_splits`: the ``num_splits`` FA4 takes on this GPU (its split-KV path needs Blackwell).
 
 Layouts: a contiguous cache is ``[B, N, H_kv, d]`` (bnhd, as flash-attn's KV cache); a decode query is ``[B, H_q, d]``.
@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from labkit import bench
-from labkit.graphtime import LAYERS, caches_for, graphed, layered, release, time_per_call  # noqa: F401 (lk.decode.*)
+from labkit.decoding.graphtime import LAYERS, caches_for, graphed, layered, release, time_per_call  # noqa: F401 (lk.decode.*)
 # RUN_ERRORS (also lk.decode.RUN_ERRORS): what a kernel that cannot take an input raises
 from labkit.kernels import RUN_ERRORS, flash_function  # noqa: F401
-from labkit.paged import generate_paged, page_table, write_kv  # noqa: F401 (lk.decode.*)
-from labkit.readbw import READ_ONLY, read_bandwidth, read_once  # noqa: F401 (lk.decode.*)
+from labkit.decoding.paged import generate_paged, page_table, write_kv  # noqa: F401 (lk.decode.*)
+from labkit.decoding.readbw import READ_ONLY, read_bandwidth, read_once  # noqa: F401 (lk.decode.*)
 
 SDPA_DECODE_BACKENDS = ("sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn")
 YARDSTICKS = SDPA_DECODE_BACKENDS + ("fa4",)
