@@ -12,7 +12,7 @@ from labkit import attention, bench, doctor, explain, kernels, overhead  # noqa:
 from labkit import gpt2, hf_attention, hfcompat, rope  # noqa: E402
 from labkit import levers, longctx, longdata, longmem  # noqa: E402
 from labkit import perfmodel, predictor, profiling, roofline  # noqa: E402
-from labkit import amp, precision  # noqa: E402
+from labkit.numerics import amp, precision  # noqa: E402
 from labkit import tritonbench, tritonbounds, tritoncompile  # noqa: E402
 from labkit.cp import cpu as cpcpu, memory as cpmem, ring as ringproc, run as cprun, train as cptrain  # noqa: E402
 from labkit.decoding import decode  # noqa: E402

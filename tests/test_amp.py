@@ -1,4 +1,4 @@
-"""Tests for labkit.amp: gradient statistics, NaN/Inf monitor, output capture, AMP training loop."""
+"""Tests for labkit.numerics.amp: gradient statistics, NaN/Inf monitor, output capture, AMP training loop."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit import amp
+from labkit.numerics import amp
 
 CUDA = torch.cuda.is_available()
 

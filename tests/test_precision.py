@@ -1,4 +1,4 @@
-"""Tests for labkit.precision: float formats, FlashAttention dtype rules, the 2x rule."""
+"""Tests for labkit.numerics.precision: float formats, FlashAttention dtype rules, the 2x rule."""
 from __future__ import annotations
 
 import warnings
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from labkit import attention as attn
-from labkit import bench, precision
+from labkit import bench
+from labkit.numerics import precision
 
 CUDA = torch.cuda.is_available()
 

@@ -6,7 +6,7 @@
 - :class:`NaNMonitor`: forward hooks that record value ranges and NaN/Inf per module.
 - :func:`capture_outputs`: every leaf module's output of one run, to compare two precisions.
 
-Error metrics, float formats and FlashAttention's dtype rules live in :mod:`labkit.precision`.
+Error metrics, float formats and FlashAttention's dtype rules live in :mod:`labkit.numerics.precision`.
 
 Used in: 03_long_sequence_training, 05_precision_analysis.
 """

@@ -9,7 +9,7 @@
 The error report (max_abs, mean_abs, rel_l2, cosine) and the fp32-statistics LayerNorm are the
 reader's exercises in 05_precision_analysis, which passes them to the later cells.
 
-Training with AMP and watching gradients/activations live in :mod:`labkit.amp`.
+Training with AMP and watching gradients/activations live in :mod:`labkit.numerics.amp`.
 
 Used in: 02_gpt2_integration, 05_precision_analysis.
 """
