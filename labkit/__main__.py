@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return cprun.main(argv[1:])
     if argv[:1] == ["longctx"]:
-        from labkit import longctx
+        from labkit.long import ctx as longctx
 
         return longctx.main(argv[1:])
     parser = _parser()

@@ -12,7 +12,7 @@ usage and exits with status 2, before the command does any work. Checks that nee
 - :func:`folder`: an existing folder (holding a given file); :func:`out_folder`, :func:`out_file`:
   where output may be written (not a file where a folder is meant, nor the reverse).
 
-Used by: ``labkit.__main__``, :mod:`labkit.cp.run`, :mod:`labkit.longctx`.
+Used by: ``labkit.__main__``, :mod:`labkit.cp.run`, :mod:`labkit.long.ctx`.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ import weakref
 import pytest
 import torch
 
-from labkit import longmem, reference
+from labkit import reference
+from labkit.long import memory as longmem
 from labkit.cp import cpu as cpcpu, memory as cpmem, train as cptrain
 from labkit.perfmodel import ModelShape
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import levers
+from labkit.long import levers
 from labkit.cp import cpu as cpcpu, train as cptrain
 from labkit.cp.ring import _free_port
 

@@ -1,4 +1,4 @@
-"""labkit.levers: each lever gives the same loss and gradients as training without it, and keeps
+"""labkit.long.levers: each lever gives the same loss and gradients as training without it, and keeps
 less for the backward (the amounts themselves: tests/test_longmem.py).
 
 Tolerances: checkpointing recomputes the same ops on the same inputs (bitwise equal). Chunking
@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit import gpt2, levers, longmem
+from labkit import gpt2
+from labkit.long import levers, memory as longmem
 
 
 def tiny(attn="labkit:sdpa_math", **overrides):

@@ -1,4 +1,4 @@
-"""labkit.longctx: the configurations, a training step with each, labkit vs sdpa in one run, the
+"""labkit.long.ctx: the configurations, a training step with each, labkit vs sdpa in one run, the
 longest-sequence search and what stops it, the command line; GPU tests for the real sizes."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from labkit import gpt2, longctx, longmem, rope
+from labkit import gpt2, rope
+from labkit.long import ctx as longctx, memory as longmem
 
 CPU = dict(size="tiny", device="cpu", dtype=torch.float32, chunk_size=32)
 

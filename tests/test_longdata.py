@@ -1,10 +1,11 @@
-"""labkit.longdata: the stdlib corpus and its windows, loss by position, the passkey task."""
+"""labkit.long.data: the stdlib corpus and its windows, loss by position, the passkey task."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from labkit import gpt2, levers, longdata
+from labkit import gpt2
+from labkit.long import data as longdata, levers
 
 
 # ----------------------------------------------------------------------------- corpus

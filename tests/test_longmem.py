@@ -1,11 +1,12 @@
-"""labkit.longmem: the memory model's structure, each lever's term, and its agreement with what
+"""labkit.long.memory: the memory model's structure, each lever's term, and its agreement with what
 autograd saves on a CPU (exact byte counts) and with peaks measured on an H100 (within 15%)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from labkit import gpt2, levers, longmem, rope
+from labkit import gpt2, rope
+from labkit.long import levers, memory as longmem
 from labkit.perfmodel import MemoryCoefficients, ModelShape, training_memory
 
 SMALL = ModelShape.gpt2("small")
@@ -132,7 +133,7 @@ def test_one_million_tokens_fit_an_80_gb_gpu_only_with_the_levers():
     ("flash+ckpt+chunked+mlp+offload", 524288, 19.36), ("rope+ckpt+chunked+mlp+offload", 262144, 8.39),
     ("rope+ckpt+chunked+mlp+offload", 524288, 14.86), ("rope+ckpt+chunked+mlp+offload", 1048576, 27.83)])
 def test_memory_model_matches_h100_peaks(config, n, measured_gib):
-    from labkit.longctx import CONFIGS
+    from labkit.long.ctx import CONFIGS
 
     predicted = longmem.memory_model(SMALL, batch=1, seq_len=n, **CONFIGS[config].memory_kwargs())["total"]
     assert predicted / GIB == pytest.approx(measured_gib, rel=0.15)

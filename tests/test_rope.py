@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import gpt2, levers, rope
+from labkit import gpt2, rope
+from labkit.long import levers
 
 
 def test_pairs_rotate_like_complex_numbers(randn):

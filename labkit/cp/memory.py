@@ -44,7 +44,7 @@ from dataclasses import replace
 
 import pandas as pd
 
-from labkit.longmem import KEYS, memory_model
+from labkit.long.memory import KEYS, memory_model
 from labkit.perfmodel import MemoryCoefficients, ModelShape
 
 REPLICATED = ("weights", "grads", "optimizer", "casts")
@@ -79,7 +79,7 @@ def cp_memory(shape: ModelShape, *, seq_len: int, world: int, checkpointing: boo
     where weights, every gradient and the new state are alive: that phase is the peak if it is larger).
 
     Returns:
-        dict with :data:`labkit.longmem.KEYS`, ``ring`` (0 unless the ring's phase is the peak),
+        dict with :data:`labkit.long.memory.KEYS`, ``ring`` (0 unless the ring's phase is the peak),
         ``total`` (bytes per device), ``replicated`` and ``sharded`` (subtotals), ``local_tokens``,
         ``ring_phase`` (that phase's total, 0 on one device) and ``ring_at_peak`` (1.0 or 0.0).
     """

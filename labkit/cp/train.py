@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labkit import gpt2, levers, longmem
+from labkit import gpt2
+from labkit.long import levers, memory as longmem
 from labkit.cp import memory as cpmem
 
 ATTN_NAME = "labkit_cp"

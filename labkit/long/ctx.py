@@ -24,9 +24,10 @@ import torch
 
 from labkit import attention as attn
 from labkit import cliargs as ca
-from labkit import gpt2, levers, longmem, rope
+from labkit import gpt2, rope
+from labkit.long import levers, memory as longmem
 from labkit.env import default_device
-from labkit.longsummary import _stop_before, summary  # noqa: F401 - lk.longctx.summary
+from labkit.long.summary import _stop_before, summary  # noqa: F401 - lk.longctx.summary
 from labkit.measure import allocated_bytes, call_ms, free_memory, is_oom, peak_memory
 
 

@@ -1,7 +1,7 @@
 """The memory of one long-sequence training step: predicted lever by lever, and measured.
 
 - :func:`memory_model`: predicted peak GPU bytes by component, for any combination of the
-  levers of :mod:`labkit.levers` and :mod:`labkit.rope` (FlashAttention, checkpointing, chunked
+  levers of :mod:`labkit.long.levers` and :mod:`labkit.rope` (FlashAttention, checkpointing, chunked
   loss, chunked MLP, offloaded checkpoints, RoPE instead of a learned position table), built
   on ``lk.perfmodel.training_memory``.
 - :func:`saved_tensor_bytes`: what autograd keeps for the backward, measurable on a CPU too.
@@ -60,7 +60,7 @@ def memory_model(shape: ModelShape, *, batch: int, seq_len: int, attention: str 
     FlashAttention's ``t*H*coef.lse``; checkpointing keeps ``t*h*coef.checkpoint`` per layer plus
     one layer's activations; the loss holds ``t*V*coef.logits``).
 
-    With the chunked loss (:func:`lk.levers.lm_loss <labkit.levers.lm_loss>`) a step has three
+    With the chunked loss (:func:`lk.levers.lm_loss <labkit.long.levers.lm_loss>`) a step has three
     candidate peaks, and the largest is returned, by component:
 
     - forward: the layer inputs kept so far and one block's temporaries (``lever.block_forward``);
