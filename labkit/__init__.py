@@ -4,7 +4,7 @@ Notebooks use ``import labkit as lk`` and reach every module they need as ``lk.<
 each of those names, one line per part of the package, each saying where the module lives.
 The board (instructors only) is never imported here: the student bundle leaves it out.
 """
-from labkit import tritonmode
+from labkit.tritonlab import mode as tritonmode
 
 tritonmode.apply_default()  # before any import of triton (torch._dynamo imports it): see tritonmode
 from labkit import env, grading, measure, plots, profiles  # noqa: E402
@@ -13,7 +13,7 @@ from labkit import gpt2, hf_attention, hfcompat, rope  # noqa: E402
 from labkit.long import ctx as longctx, data as longdata, levers, memory as longmem  # noqa: E402
 from labkit import perfmodel, predictor, profiling, roofline  # noqa: E402
 from labkit.numerics import amp, precision  # noqa: E402
-from labkit import tritonbench, tritonbounds, tritoncompile  # noqa: E402
+from labkit.tritonlab import bench as tritonbench, bounds as tritonbounds, compile as tritoncompile  # noqa: E402
 from labkit.cp import cpu as cpcpu, memory as cpmem, ring as ringproc, run as cprun, train as cptrain  # noqa: E402
 from labkit.decoding import decode  # noqa: E402
 from labkit.flex import bench as flexbench, lib as flexlib, packtrain  # noqa: E402

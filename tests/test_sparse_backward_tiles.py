@@ -15,7 +15,7 @@ from notebook_grader import NotebookRunner, exercises, setup_cells
 
 import labkit as lk
 import labkit.flex.lib
-import labkit.tritoncompile as tc
+import labkit.tritonlab.compile as tc
 from triton.runtime import OutOfResources   # after labkit, which sets TRITON_INTERPRET=1 on a CPU
 
 pytestmark = pytest.mark.slow

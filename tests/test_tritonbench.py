@@ -1,4 +1,4 @@
-"""labkit.tritonbench: functions from a notebook, ratio tables, the roofline frame, autotune configs."""
+"""labkit.tritonlab.bench: functions from a notebook, ratio tables, the roofline frame, autotune configs."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""labkit.tritonbounds: loads and stores that leave the launch's tensors are counted and skipped; int32 offsets that overflow."""
+"""labkit.tritonlab.bounds: loads and stores that leave the launch's tensors are counted and skipped; int32 offsets that overflow."""
 from __future__ import annotations
 
 import pytest

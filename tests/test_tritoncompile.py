@@ -1,4 +1,4 @@
-"""labkit.tritoncompile: kernels run by the interpreter are compiled for sm80 and sm90 with no GPU.
+"""labkit.tritonlab.compile: kernels run by the interpreter are compiled for sm80 and sm90 with no GPU.
 
 The kernels here run in the interpreter (``import labkit`` sets it on a CPU) and are recorded,
 then compiled by Triton in a separate process: what a notebook 06 test cell does.
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit import tritoncompile
+from labkit.tritonlab import compile as tritoncompile
 
 lk.tritonmode.setup()
 import triton  # noqa: E402

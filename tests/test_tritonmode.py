@@ -1,4 +1,4 @@
-"""labkit.tritonmode: the interpreter switch, the bf16 dot fix, the launch and load counters."""
+"""labkit.tritonlab.mode: the interpreter switch, the bf16 dot fix, the launch and load counters."""
 from __future__ import annotations
 
 import contextlib

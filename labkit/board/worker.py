@@ -19,7 +19,7 @@ here), the secret seed, whether to time, and where to write the result, a JSON o
 4. The snapshot again (-> ``flagged``); the graded names defined (-> ``error``); their code checked by
    :func:`labkit.grading.check_own_code` (no labkit, SDPA or softmax) and :func:`library_reached` (no flash-attn,
    FlashInfer, xFormers, flex attention or SDPA's kernel ops) (-> ``flagged``); a tiny call of each
-   must launch a Triton kernel defined in the notebook (:func:`labkit.tritonmode.launches`, -> ``flagged``).
+   must launch a Triton kernel defined in the notebook (:func:`labkit.tritonlab.mode.launches`, -> ``flagged``).
 5. The assignment's check on fresh inputs (:mod:`labkit.board.specs`, AssertionError -> ``wrong``), then,
    on a GPU, its timing, which re-checks the timed calls' results (-> ``wrong``); the snapshot once more.
 
@@ -50,7 +50,8 @@ def _guarded() -> dict[str, object]:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    from labkit import attention, bench, grading, measure, tritonmode
+    from labkit import attention, bench, grading, measure
+    from labkit.tritonlab import mode as tritonmode
     from labkit.decoding import decode, graphtime, readbw
     from labkit.flex import bench as flexbench, lib as flexlib
     from labkit.board import common as boardcommon, nb06 as boardshapes06, nb08 as boardshapes08, nb09 as boardshapes09
@@ -136,7 +137,8 @@ def library_reached(fn) -> str | None:
 
 
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
-    from labkit import grading, tritonmode
+    from labkit import grading
+    from labkit.tritonlab import mode as tritonmode
     from labkit.board.specs import forbidden
 
     missing = [name for name in spec.graded if name not in ns]

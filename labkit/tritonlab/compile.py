@@ -36,10 +36,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from labkit import grading, tritonmode
+from labkit import grading
+from labkit.tritonlab import mode as tritonmode
 
 ARCHS = {80: "sm80 (Ampere)", 90: "sm90 (Hopper)"}
-WORKER = Path(__file__).with_name("tritoncompile_worker.py")
+WORKER = Path(__file__).with_name("compile_worker.py")
 POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                  torch.int32: "i32", torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
                  torch.bool: "i1"}

@@ -1,4 +1,4 @@
-"""Compile Triton kernels for NVIDIA GPUs without a GPU; run as a script by :mod:`labkit.tritoncompile`.
+"""Compile Triton kernels for NVIDIA GPUs without a GPU; run as a script by :mod:`labkit.tritonlab.compile`.
 
 Reads a JSON job on stdin: ``{"source": module text, "kernels": [{"name", "signature", "constexprs",
 "num_warps", "num_stages"}], "archs": [80, 90]}``. Writes one JSON list on stdout: per kernel and

@@ -15,7 +15,7 @@ Two probes serve the tests of a student's kernels:
 - :func:`loaded_elements` counts the elements the interpreter loads, so skipping work (a causal
   tile skipped, not just masked) is visible on a CPU.
 
-Addresses out of range (int32 offsets, loads and stores past a tensor's end): :mod:`labkit.tritonbounds`.
+Addresses out of range (int32 offsets, loads and stores past a tensor's end): :mod:`labkit.tritonlab.bounds`.
 
 :func:`setup` also makes a launch of an autotuned kernel that passes a tuned meta-parameter
 (``BLOCK_M=...``) fail with a message naming the cause.

@@ -28,7 +28,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from labkit import grading, tritonmode
+from labkit import grading
+from labkit.tritonlab import mode as tritonmode
 
 
 def spans(tensors: Iterable) -> list[tuple[int, int]]:
