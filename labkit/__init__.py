@@ -11,7 +11,7 @@ from labkit import env, grading, measure, plots, profiles  # noqa: E402
 from labkit import attention, bench, doctor, explain, kernels, overhead  # noqa: E402
 from labkit import gpt2, hf_attention, hfcompat, rope  # noqa: E402
 from labkit.long import ctx as longctx, data as longdata, levers, memory as longmem  # noqa: E402
-from labkit import perfmodel, predictor, profiling, roofline  # noqa: E402
+from labkit.perf import memory as perfmodel, predictor, profiling, roofline  # noqa: E402
 from labkit.numerics import amp, precision  # noqa: E402
 from labkit.tritonlab import bench as tritonbench, bounds as tritonbounds, compile as tritoncompile  # noqa: E402
 from labkit.cp import cpu as cpcpu, memory as cpmem, ring as ringproc, run as cprun, train as cptrain  # noqa: E402

@@ -199,7 +199,7 @@ def check_own_code(fn: Callable, *, name: str, forbid: tuple = ()) -> None:
 
     labkit: the source names no ``lk`` or ``labkit``, and nothing ``fn`` reaches (the globals it
     loads, its closure and defaults, and, through them, the functions defined beside it) is a labkit
-    module, function or class, however it was imported or renamed (``from labkit.perfmodel import
+    module, function or class, however it was imported or renamed (``from labkit.perf.memory import
     training_memory as tm`` in another cell).
 
     ``forbid``: library functions or classes the exercise asks the student to write
@@ -305,7 +305,7 @@ def _attributes_read(fn: Callable) -> set[str]:
 
 def _names(source: str) -> set[str]:
     """Identifiers in ``source``, plus "labkit" for a string literal that names a labkit module
-    (``__import__("labkit.perfmodel")``); comments, other strings and names such as ``q_blk`` do
+    (``__import__("labkit.perf.memory")``); comments, other strings and names such as ``q_blk`` do
     not count as lk."""
     names = set()
     try:

@@ -14,7 +14,7 @@ import torch
 from labkit import reference
 from labkit.long import memory as longmem
 from labkit.cp import cpu as cpcpu, memory as cpmem, train as cptrain
-from labkit.perfmodel import ModelShape
+from labkit.perf.memory import ModelShape
 
 SMALL = ModelShape.gpt2("small")
 GIB = 2**30

@@ -7,7 +7,7 @@ import torch
 
 from labkit import gpt2, rope
 from labkit.long import levers, memory as longmem
-from labkit.perfmodel import MemoryCoefficients, ModelShape, training_memory
+from labkit.perf.memory import MemoryCoefficients, ModelShape, training_memory
 
 SMALL = ModelShape.gpt2("small")
 COEF, LEVER = MemoryCoefficients(), longmem.LeverCoefficients()

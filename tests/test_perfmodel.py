@@ -1,4 +1,4 @@
-"""Tests for labkit.perfmodel: the training-memory model, its recommender, and which backends keep
+"""Tests for labkit.perf.memory: the training-memory model, its recommender, and which backends keep
 the N x N scores."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for labkit.predictor: timing sweeps, configurations, the held-out split and the grouped
+"""Tests for labkit.perf.predictor: timing sweeps, configurations, the held-out split and the grouped
 time predictor.
 
 Notebook 04's exercise functions (features, relative least squares, MAPE) are written here

@@ -1,4 +1,4 @@
-"""Tests for labkit.profiling: profiler wrappers, kernel tables, traces and memory snapshots."""
+"""Tests for labkit.perf.profiling: profiler wrappers, kernel tables, traces and memory snapshots."""
 from __future__ import annotations
 
 import json

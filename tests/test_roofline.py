@@ -1,4 +1,4 @@
-"""Tests for labkit.roofline: the compulsory bytes, the phase table, roofline points and their
+"""Tests for labkit.perf.roofline: the compulsory bytes, the phase table, roofline points and their
 above-the-roof flag (with an H100's measured figures), the plot.
 
 The byte counts that notebook 04 asks students for are computed here another way (tensor by

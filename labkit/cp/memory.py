@@ -45,7 +45,7 @@ from dataclasses import replace
 import pandas as pd
 
 from labkit.long.memory import KEYS, memory_model
-from labkit.perfmodel import MemoryCoefficients, ModelShape
+from labkit.perf.memory import MemoryCoefficients, ModelShape
 
 REPLICATED = ("weights", "grads", "optimizer", "casts")
 GATHER_BYTES = 4.0  # "allgather" only: per hidden unit and token of every other device, its K and V (bf16, 2x2)

@@ -6,7 +6,7 @@
   on ``lk.perfmodel.training_memory``.
 - :func:`saved_tensor_bytes`: what autograd keeps for the backward, measurable on a CPU too.
 - :func:`peak_live_bytes`: the most bytes of new tensors alive at once, forward and backward (a CPU's peak).
-- :func:`model_shape`: the :class:`~labkit.perfmodel.ModelShape` of a GPT-2 config.
+- :func:`model_shape`: the :class:`~labkit.perf.memory.ModelShape` of a GPT-2 config.
 
 Used in: 03_long_sequence_training.
 """
@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from labkit.perfmodel import MemoryCoefficients, ModelShape, training_memory
+from labkit.perf.memory import MemoryCoefficients, ModelShape, training_memory
 
 KEYS = ("weights", "grads", "optimizer", "casts", "activations", "attention", "logits")  # summed into total
 
@@ -191,7 +191,7 @@ def peak_live_bytes(fn: Callable[[], object]) -> int:
 
 
 def model_shape(config) -> ModelShape:
-    """The :class:`~labkit.perfmodel.ModelShape` of a ``GPT2Config`` (e.g. ``model.config``)."""
+    """The :class:`~labkit.perf.memory.ModelShape` of a ``GPT2Config`` (e.g. ``model.config``)."""
     return ModelShape(config.n_layer, config.n_embd, config.n_head, vocab=config.vocab_size,
                       n_positions=config.n_positions)
 

@@ -5,7 +5,7 @@
 - :func:`ratio_table`: one implementation's TFLOP/s over every other's, per configuration, from a
   sweep of :func:`labkit.bench.attention_sweep` (the implementations timed in turns, in one run).
 - :func:`roofline_frame`: a sweep's forward rows placed at their compulsory-bytes intensity under
-  measured roofs, ready for :func:`labkit.roofline.roofline_plot`.
+  measured roofs, ready for :func:`labkit.perf.roofline.roofline_plot`.
 - :func:`config_table`: every config of an ``@triton.autotune`` kernel timed on one problem.
 
 Used in: 06_triton_flashattention.
@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from labkit.measure import time_interleaved
-from labkit.roofline import fused_points
+from labkit.perf.roofline import fused_points
 
 KEYS = ["D", "causal", "mode", "N"]
 
@@ -69,7 +69,7 @@ def ratio_table(sweep: pd.DataFrame, numerator: str) -> pd.DataFrame:
 
 def roofline_frame(sweep: pd.DataFrame, *, roof: Callable[[np.ndarray], np.ndarray],
                    elem_bytes: int = 2) -> pd.DataFrame:
-    """The "ok" forward rows of ``sweep`` on the roofline (:func:`labkit.roofline.fused_points`).
+    """The "ok" forward rows of ``sweep`` on the roofline (:func:`labkit.perf.roofline.fused_points`).
 
     Args:
         roof: intensity (FLOP/byte) -> attainable TFLOP/s, from this machine's measured peaks.

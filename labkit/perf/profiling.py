@@ -5,8 +5,8 @@
   operators as a DataFrame), :func:`export_trace` / :func:`trace_counts` (Chrome/Perfetto JSON),
   :func:`memory_snapshot` / :func:`snapshot_allocations` (CUDA caching-allocator history).
 
-The performance models live in :mod:`labkit.roofline` (IO / roofline), :mod:`labkit.predictor`
-(time predictor) and :mod:`labkit.perfmodel` (training memory).
+The performance models live in :mod:`labkit.perf.roofline` (IO / roofline), :mod:`labkit.perf.predictor`
+(time predictor) and :mod:`labkit.perf.memory` (training memory).
 
 Used in: 04_performance_analysis.
 """

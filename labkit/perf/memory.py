@@ -5,8 +5,8 @@ peaks), :func:`training_memory` (predicted peak by component), :func:`recommend`
 accumulation and checkpointing for a memory budget), :func:`max_seq_len` (longest sequence that
 fits), and :func:`kind`: whether an attention backend keeps the N x N scores.
 
-The IO / roofline model lives in :mod:`labkit.roofline`, the forward-time sweeps and the fitted
-time predictor in :mod:`labkit.predictor`, the profiler wrappers in :mod:`labkit.profiling`.
+The IO / roofline model lives in :mod:`labkit.perf.roofline`, the forward-time sweeps and the fitted
+time predictor in :mod:`labkit.perf.predictor`, the profiler wrappers in :mod:`labkit.perf.profiling`.
 
 Used in: 03_long_sequence_training, 04_performance_analysis.
 """

@@ -21,7 +21,7 @@ import torch
 from labkit import attention as attn
 from labkit import bench
 from labkit.env import device_info
-from labkit.perfmodel import kind
+from labkit.perf.memory import kind
 
 
 def time_grid(configs: list[dict], backends: Iterable[str], *, causal: Iterable[bool] = (False,),

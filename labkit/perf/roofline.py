@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from labkit import attention as attn
-from labkit.perfmodel import kind
+from labkit.perf.memory import kind
 
 Roof = Callable[[np.ndarray], np.ndarray]  # intensity (FLOP/byte) -> attainable TFLOP/s
 PhaseCounts = Callable[..., dict]  # (B, H, N, D, elem_bytes=) -> {"QK^T"|"softmax"|"PV": (flop, bytes)}
@@ -74,7 +74,7 @@ def roofline_points(timings: pd.DataFrame, *, roof: Roof, standard: PhaseCounts,
     halved if causal), the matmul work the matmul peak bounds and the sweeps' ``tflops`` use.
 
     Args:
-        timings: rows with backend, B, H, N, D, causal, ms (e.g. from :func:`labkit.predictor.time_grid`).
+        timings: rows with backend, B, H, N, D, causal, ms (e.g. from :func:`labkit.perf.predictor.time_grid`).
         roof: intensity -> attainable TFLOP/s on this machine.
         standard, flash: as in :func:`io_table`.
 
