@@ -1,4 +1,4 @@
-"""labkit.gpt2: every attention implementation against eager GPT-2, padding, KV-cache decoding,
+"""labkit.models.gpt2: every attention implementation against eager GPT-2, padding, KV-cache decoding,
 checkpointing, model building, measurements and errors.
 
 Tolerances: in fp32 the paths differ only in summation order (softmax in fp32 everywhere), so
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit import gpt2
+from labkit.models import gpt2
 
 transformers = pytest.importorskip("transformers")
 CPU_IMPLS = ["labkit", "labkit:reference", "labkit:sdpa_math", "labkit:sdpa_flash", "labkit:auto"]

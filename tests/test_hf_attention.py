@@ -1,4 +1,4 @@
-"""labkit.hf_attention: the registered name, the routes of the attention function, call recording.
+"""labkit.models.hf_attention: the registered name, the routes of the attention function, call recording.
 
 Tolerances as in tests/test_gpt2.py: fp32 paths differ only in summation order (~1e-6 relative);
 1e-5 relative L2 leaves margin without hiding a wrong mask or scale (errors of order 1e-1).
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit import gpt2, hf_attention, hfcompat
+from labkit.models import gpt2, hf_attention, hfcompat
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""labkit.hfcompat: the KV cache passed and read under the spelling the installed transformers expects."""
+"""labkit.models.hfcompat: the KV cache passed and read under the spelling the installed transformers expects."""
 from __future__ import annotations
 
 import warnings
@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from labkit import gpt2, hfcompat
+from labkit.models import gpt2, hfcompat
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit import gpt2
+from labkit.models import gpt2
 from labkit.long import levers, memory as longmem
 
 

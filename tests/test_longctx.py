@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from labkit import gpt2, rope
+from labkit.models import gpt2, rope
 from labkit.long import ctx as longctx, memory as longmem
 
 CPU = dict(size="tiny", device="cpu", dtype=torch.float32, chunk_size=32)

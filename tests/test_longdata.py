@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import gpt2
+from labkit.models import gpt2
 from labkit.long import data as longdata, levers
 
 

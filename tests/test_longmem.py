@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import gpt2, rope
+from labkit.models import gpt2, rope
 from labkit.long import levers, memory as longmem
 from labkit.perf.memory import MemoryCoefficients, ModelShape, training_memory
 

@@ -1,4 +1,4 @@
-"""labkit.rope: the rotation (RoFormer pairing), relative positions, and GPT-2 without a position table.
+"""labkit.models.rope: the rotation (RoFormer pairing), relative positions, and GPT-2 without a position table.
 
 The rotation runs in fp32 with angles computed in float64: against a float64 evaluation of the
 same formula the error is fp32 round-off of O(1) numbers (~1e-6), so atol=1e-5.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import gpt2, rope
+from labkit.models import gpt2, rope
 from labkit.long import levers
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labkit import gpt2
+from labkit.models import gpt2
 from labkit.long import levers, memory as longmem
 from labkit.cp import memory as cpmem
 

@@ -33,7 +33,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from labkit import gpt2, measure
+from labkit import measure
+from labkit.models import gpt2
 from labkit.flex import bench as flexbench, varlen
 
 ATTN_NAME = "labkit_packed"   # the attention implementation of a packed model (no "flash" in it: see hf_attention)

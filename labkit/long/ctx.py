@@ -24,7 +24,7 @@ import torch
 
 from labkit import attention as attn
 from labkit import cliargs as ca
-from labkit import gpt2, rope
+from labkit.models import gpt2, rope
 from labkit.long import levers, memory as longmem
 from labkit.env import default_device
 from labkit.long.summary import _stop_before, summary  # noqa: F401 - lk.longctx.summary

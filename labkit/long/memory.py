@@ -1,7 +1,7 @@
 """The memory of one long-sequence training step: predicted lever by lever, and measured.
 
 - :func:`memory_model`: predicted peak GPU bytes by component, for any combination of the
-  levers of :mod:`labkit.long.levers` and :mod:`labkit.rope` (FlashAttention, checkpointing, chunked
+  levers of :mod:`labkit.long.levers` and :mod:`labkit.models.rope` (FlashAttention, checkpointing, chunked
   loss, chunked MLP, offloaded checkpoints, RoPE instead of a learned position table), built
   on ``lk.perfmodel.training_memory``.
 - :func:`saved_tensor_bytes`: what autograd keeps for the backward, measurable on a CPU too.

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit import attention as attn
-from labkit import rope
+from labkit.models import rope
 
 ATTN_NAME = "labkit"
 DEFAULT_BACKEND = "auto"  # used when a model's config sets no labkit_backend

@@ -5,7 +5,7 @@
   cache (never downloads; their table has 1024 positions).
 - :func:`set_attention`: switch a model between ``"eager"``, ``"sdpa"``, ``"labkit"`` and
   ``"labkit:<backend>"`` in place; the weights are the same tensors whatever runs attention.
-  "labkit" is :func:`lk.hf_attention.attention_forward <labkit.hf_attention.attention_forward>`.
+  "labkit" is :func:`lk.hf_attention.attention_forward <labkit.models.hf_attention.attention_forward>`.
 - :func:`enable_checkpointing`, :func:`forward_logits`: training and comparison helpers.
 - :func:`training_throughput`, :func:`training_throughput_table`, :func:`inference_latency`:
   measurements (CUDA events after warm-up, peak memory after resetting the counter).
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from labkit import attention as attn
-from labkit import hf_attention
+from labkit.models import hf_attention
 from labkit.env import default_device
-from labkit.hf_attention import ATTN_NAME, DEFAULT_BACKEND
+from labkit.models.hf_attention import ATTN_NAME, DEFAULT_BACKEND
 from labkit.measure import allocated_bytes, free_memory, is_oom, peak_memory, time_fn
 
 SIZES = {  # n_layer, n_embd, n_head (head dim 64 except tiny), vocab, positions
@@ -117,7 +117,7 @@ def _load_pretrained(size: str, dropout: float):
     from transformers import GPT2LMHeadModel
 
     if size not in HUB_IDS:
-        print(f"[labkit.gpt2] no pretrained weights exist for size {size!r}; using random init.")
+        print(f"[labkit.models.gpt2] no pretrained weights exist for size {size!r}; using random init.")
         return None
     for repo in (HUB_IDS[size], HUB_IDS[size].split("/")[1]):
         try:
@@ -125,7 +125,7 @@ def _load_pretrained(size: str, dropout: float):
                                                    resid_pdrop=dropout, embd_pdrop=dropout)
         except (OSError, ValueError):
             continue
-    print(f"[labkit.gpt2] {HUB_IDS[size]} is not in the local Hugging Face cache; using random init "
+    print(f"[labkit.models.gpt2] {HUB_IDS[size]} is not in the local Hugging Face cache; using random init "
           f"(nothing is downloaded). To use the real weights, run once with network access: "
           f"hf download {HUB_IDS[size]}")
     return None
