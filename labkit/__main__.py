@@ -18,7 +18,7 @@ import sys
 import torch
 
 from labkit import cliargs as ca
-from labkit.attention import BACKENDS, MODES
+from labkit.engine.attention import BACKENDS, MODES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 COURSE = "the course folder (it holds solutions/)"
@@ -107,7 +107,7 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
             command.error(f"argument --only: no solution notebook starts with {', '.join(missing)}; "
                           f"the notebooks are {', '.join(have)}; e.g. --only {have[0][:2] if have else '01'}")
     if args.command == "bench" and args.backends and "auto" not in args.backends and not args.vs_direct:
-        from labkit.attention import why_not  # a sweep of nothing but "unsupported" rows: say why, and what runs here
+        from labkit.engine.attention import why_not  # a sweep of nothing but "unsupported" rows: say why, and what runs here
         from labkit.env import default_device
 
         device, dtype, first = default_device(), DTYPES[args.dtype], ""
@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check(parser, args)
-    from labkit import bench, doctor, plots
+    from labkit import plots
+    from labkit.engine import bench, doctor
 
     if args.command == "doctor":
         doctor.report()
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _vs_direct(args, configs: list[dict], causal: tuple[bool, ...]) -> int:
-    from labkit import overhead
+    from labkit.engine import overhead
 
     df = overhead.vs_direct(configs, causal=causal, modes=args.modes, rounds=args.rounds,
                             rep_ms=args.rep_ms, dtype=DTYPES[args.dtype], partial_csv=args.out / "vs_direct.csv")

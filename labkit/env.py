@@ -1,8 +1,8 @@
 """Device facts: the device, its compute capability and the dtypes it computes in.
 
 Part of labkit's bottom floor (imports no other labkit module). Which attention backends run
-here is :mod:`labkit.doctor`'s question. Nothing here hard-codes a GPU's speed; peaks are
-measured in :mod:`labkit.bench`.
+here is :mod:`labkit.engine.doctor`'s question. Nothing here hard-codes a GPU's speed; peaks are
+measured in :mod:`labkit.engine.bench`.
 
 Used in: every notebook (``lk.env.gpu_only``, ``lk.env.device_info``).
 """

@@ -1,8 +1,8 @@
 """Measurement primitives: timing that is right on a GPU and honest on a CPU, and peak memory.
 
 The bottom floor of labkit: it imports no other labkit module, so the kernels' entry point
-(:mod:`labkit.attention`, whose ``"auto"`` times its candidates) and the benchmarks
-(:mod:`labkit.bench`) can both build on it.
+(:mod:`labkit.engine.attention`, whose ``"auto"`` times its candidates) and the benchmarks
+(:mod:`labkit.engine.bench`) can both build on it.
 
 - :func:`time_fn`: CUDA events after warm-up (optional L2 flush) on a GPU, perf_counter on a
   CPU; median and 20/80% quantiles. :func:`time_interleaved` times several calls taking turns.

@@ -86,7 +86,7 @@ def label(zh: str, en: str) -> str:
 
 def sweep_plot(df, *, metric: str = "tflops", path: str | Path | None = None):
     """Line plot of an attention sweep: ``metric`` vs N per backend, one panel per
-    (mode, causal, D). ``df`` is :func:`labkit.bench.attention_sweep`'s output.
+    (mode, causal, D). ``df`` is :func:`labkit.engine.bench.attention_sweep`'s output.
 
     Returns the matplotlib Figure (also saved to ``path`` when given).
     """

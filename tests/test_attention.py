@@ -1,4 +1,4 @@
-"""Tests for labkit.attention: numerics of every backend, layouts, "auto", and errors on bad input.
+"""Tests for labkit.engine.attention: numerics of every backend, layouts, "auto", and errors on bad input.
 
 Precision rule (FlashAttention's tests): a backend's error against a float64 reference, in a
 low-precision dtype, may be at most 2x the error of plain PyTorch attention (labkit's "reference"
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import labkit as lk
-from labkit.attention import AttentionInputError, attention
+from labkit.engine.attention import AttentionInputError, attention
 
 A = lk.attention
 CPU_BACKENDS = ("reference", "sdpa_math", "sdpa_flash")

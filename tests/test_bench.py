@@ -1,4 +1,4 @@
-"""Tests for labkit.bench: the FLOP model, the attention sweep and auto vs the fastest backend."""
+"""Tests for labkit.engine.bench: the FLOP model, the attention sweep and auto vs the fastest backend."""
 from __future__ import annotations
 
 import time

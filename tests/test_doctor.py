@@ -1,4 +1,4 @@
-"""Tests for labkit.doctor and the import errors it shows: the backend table and the report."""
+"""Tests for labkit.engine.doctor and the import errors it shows: the backend table and the report."""
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,4 @@
-"""labkit.explain: auto's choice, and every backend's role in it, as a student reads it."""
+"""labkit.engine.explain: auto's choice, and every backend's role in it, as a student reads it."""
 from __future__ import annotations
 
 import math
@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from labkit import attention as A
-from labkit import explain
+from labkit.engine import attention as A
+from labkit.engine import explain
 
 
 def qkv(b=1, h=2, n=32, d=16, nk=None, seed=0, grad=False):

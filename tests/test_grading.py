@@ -152,7 +152,7 @@ def calls_lk(q, k, v):
 
 
 def imports_labkit(q, k, v):
-    from labkit.attention import reference_attention
+    from labkit.engine.attention import reference_attention
     return reference_attention(q, k, v)[0]
 
 
@@ -174,7 +174,7 @@ class Solution:
 
 
 renamed_function = lk.attention.reference_attention  # imported in another cell under a name without lk
-renamed_module = importlib.import_module("labkit.attention")
+renamed_module = importlib.import_module("labkit.engine.attention")
 
 
 def uses_renamed_function(q, k, v):
@@ -200,7 +200,7 @@ def with_default(q, k, v, reference=renamed_function):
 
 
 def imports_by_string(q, k, v):
-    return __import__("labkit.attention").attention.reference_attention(q, k, v)[0]
+    return __import__("labkit.engine.attention").attention.reference_attention(q, k, v)[0]
 
 
 @pytest.mark.parametrize("fn", [calls_lk, imports_labkit, aliases_labkit, Solution().method,

@@ -1,4 +1,4 @@
-"""Tests for labkit.overhead: the table of auto and labkit against the kernels called directly (CPU run)."""
+"""Tests for labkit.engine.overhead: the table of auto and labkit against the kernels called directly (CPU run)."""
 from __future__ import annotations
 
 import gc

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from labkit import attention as attn
-from labkit import bench
+from labkit.engine import attention as attn
+from labkit.engine import bench
 from labkit.numerics import precision
 
 CUDA = torch.cuda.is_available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import bench
+from labkit.engine import bench
 from labkit.decoding import readbw
 
 

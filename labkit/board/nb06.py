@@ -1,6 +1,6 @@
 """The board's 06_triton_flashattention: ``TritonFlashAttention.apply(q, k, v, causal)``, q [B, H, N, D], k, v
 [B, H, Nk, D]. Check: fp32 (and bf16 on a GPU) forward and backward against float64 at uneven shapes (N != Nk,
-bottom-right causal). Timed by :func:`labkit.bench.attention_sweep` (the notebook's sweep) beside sdpa_flash,
+bottom-right causal). Timed by :func:`labkit.engine.bench.attention_sweep` (the notebook's sweep) beside sdpa_flash,
 sdpa_cudnn and fa4; score: TFLOP/s over the matmul peak, geometric mean over the shapes, forward and
 forward+backward, and of the two.
 
@@ -64,7 +64,7 @@ FA_TIMED = dict(seq_lens=[1024, 4096, 16384], head_dims=[64, 128], tokens=16384,
 
 
 def _fa_time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
-    from labkit import attention, bench
+    from labkit.engine import attention, bench
 
     fn, kept = ns["TritonFlashAttention"].apply, {}
 

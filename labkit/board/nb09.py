@@ -156,7 +156,7 @@ def scores(ok, work: dict, peak: float) -> dict:
 
 
 def _time(ns: dict, seed: int, device: torch.device, target_ms: float) -> dict:
-    from labkit import attention, bench
+    from labkit.engine import attention, bench
     from labkit.flex import bench as flexbench
 
     fn, bwd, kept, H, d = ns["sparse_attention"], ns["sparse_attention_backward"], {}, TIMED["H"], TIMED["d"]

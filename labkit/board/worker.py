@@ -50,7 +50,8 @@ def _guarded() -> dict[str, object]:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    from labkit import attention, bench, grading, measure
+    from labkit import grading, measure
+    from labkit.engine import attention, bench
     from labkit.tritonlab import mode as tritonmode
     from labkit.decoding import decode, graphtime, readbw
     from labkit.flex import bench as flexbench, lib as flexlib

@@ -31,10 +31,10 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from labkit import bench
+from labkit.engine import bench
 from labkit.decoding.graphtime import LAYERS, caches_for, graphed, layered, release, time_per_call  # noqa: F401 (lk.decode.*)
 # RUN_ERRORS (also lk.decode.RUN_ERRORS): what a kernel that cannot take an input raises
-from labkit.kernels import RUN_ERRORS, flash_function  # noqa: F401
+from labkit.engine.kernels import RUN_ERRORS, flash_function  # noqa: F401
 from labkit.decoding.paged import generate_paged, page_table, write_kv  # noqa: F401 (lk.decode.*)
 from labkit.decoding.readbw import READ_ONLY, read_bandwidth, read_once  # noqa: F401 (lk.decode.*)
 
@@ -69,7 +69,7 @@ def fa4_num_splits(device) -> int:
 
 
 def _fa4_function(name: str) -> Callable | None:
-    """``flash_attn.cute``'s function ``name``, or None where FA4 does not import (:func:`labkit.kernels.flash_function`)."""
+    """``flash_attn.cute``'s function ``name``, or None where FA4 does not import (:func:`labkit.engine.kernels.flash_function`)."""
     try:
         flash_function("fa4")
     except ImportError:
@@ -149,7 +149,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
 
     Returns:
         One row per (B, N, backend): ``ms`` (median per call), ``gb_per_s`` = :func:`tensor_bytes` of q,
-        k, v and o over the time, ``status`` ("ok", else :func:`labkit.bench.failure_status`: "oom",
+        k, v and o over the time, ``status`` ("ok", else :func:`labkit.engine.bench.failure_status`: "oom",
         "error: ...", ...), ``timed`` ("cuda graph" or "eager"), ``calls_per_replay``.
     """
     device = torch.device(device)

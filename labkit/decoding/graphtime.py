@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from labkit import measure
-from labkit.kernels import RUN_ERRORS  # what a kernel that cannot take an input raises
+from labkit.engine.kernels import RUN_ERRORS  # what a kernel that cannot take an input raises
 
 LAYERS = 8   # attention calls per timed CUDA graph: a model's decode step runs one per layer in one graph
 

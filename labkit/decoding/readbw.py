@@ -1,6 +1,6 @@
 """Read-only memory bandwidth: the ceiling of a kernel that only reads, and a read-only reference call.
 
-Copy bandwidth (:func:`labkit.bench.copy_bandwidth`) counts a read and a write of every byte; the memory
+Copy bandwidth (:func:`labkit.engine.bench.copy_bandwidth`) counts a read and a write of every byte; the memory
 turns the bus around between them, so a stream that only reads (a decode step reads its K/V cache and
 writes a few KB) goes faster than a copy. Against copy bandwidth a good decode kernel can show more than
 100%, which says the roof was the wrong one, not that the kernel beat the hardware:

@@ -31,7 +31,8 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from labkit import kernels, measure
+from labkit import measure
+from labkit.engine import kernels
 from labkit.flex.varlen import fa4_varlen, kwargs_accepted, varlen_attend
 
 BLOCK = 128          # FlexAttention's default block: the kernels compared read the same block lists

@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from labkit import kernels
-from labkit.kernels import first_output
+from labkit.engine import kernels
+from labkit.engine.kernels import first_output
 
 
 def kwargs_accepted(fn: Callable, **wanted) -> dict:

@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import pandas as pd
 import torch
 
-from labkit import attention as attn
+from labkit.engine import attention as attn
 from labkit import cliargs as ca
 from labkit.models import gpt2, rope
 from labkit.long import levers, memory as longmem

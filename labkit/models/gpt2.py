@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from labkit import attention as attn
+from labkit.engine import attention as attn
 from labkit.models import hf_attention
 from labkit.env import default_device
 from labkit.models.hf_attention import ATTN_NAME, DEFAULT_BACKEND

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from labkit import attention as attn
+from labkit.engine import attention as attn
 from labkit.models import rope
 
 ATTN_NAME = "labkit"

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 
-from labkit import bench
+from labkit.engine import bench
 
 AMP_MODES = {"fp32": None, "tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 

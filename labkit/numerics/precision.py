@@ -21,7 +21,7 @@ import warnings
 import pandas as pd
 import torch
 
-from labkit import attention as attn
+from labkit.engine import attention as attn
 from labkit.measure import is_oom
 
 HALF = (torch.float16, torch.bfloat16)
@@ -89,7 +89,7 @@ def safe_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     """FlashAttention-style attention whose every cast is explicit.
 
     Args:
-        q, k, v: as for :func:`labkit.attention.attention` (layout in ``attention_kwargs``).
+        q, k, v: as for :func:`labkit.engine.attention.attention` (layout in ``attention_kwargs``).
         compute_dtype: float16 or bfloat16 to run in. Required when q, k, v are not already one
             half dtype; never guessed (an "auto fix" that silently picks fp16 hides the cast from the reader).
         out_dtype: cast the output to this dtype (e.g. back to float32); reported like any cast.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from labkit import attention as attn
+from labkit.engine import attention as attn
 
 STANDARD = ("standard", "reference", "sdpa_math", "eager")  # attention that writes the N x N scores to memory
 

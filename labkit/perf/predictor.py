@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from labkit import attention as attn
-from labkit import bench
+from labkit.engine import attention as attn
+from labkit.engine import bench
 from labkit.env import device_info
 from labkit.perf.memory import kind
 
@@ -30,8 +30,8 @@ def time_grid(configs: list[dict], backends: Iterable[str], *, causal: Iterable[
     """Forward time of each backend on each configuration; one row per (config, causal, backend).
 
     Built for the many configurations a predictor needs: inputs are drawn once per configuration
-    on the device and only the forward is timed (with :func:`labkit.bench.time_fn`), whereas
-    :func:`labkit.bench.attention_sweep` also measures memory and error on fresh inputs per row.
+    on the device and only the forward is timed (with :func:`labkit.engine.bench.time_fn`), whereas
+    :func:`labkit.engine.bench.attention_sweep` also measures memory and error on fresh inputs per row.
     Standard (materialized) backends skip configurations whose fp32 [B, H, N, N] scores would
     exceed ``max_score_gib``.
 

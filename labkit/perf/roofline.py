@@ -6,7 +6,7 @@ the reader's own functions, passed in; this module adds the floor every forward 
 (:func:`compulsory_bytes`), assembles the phase table (:func:`io_table`), places measured times
 on the roofline and flags the points above their roof (:func:`roofline_points`; fused kernels
 only: :func:`fused_points`), and draws it
-(:func:`roofline_plot`). The peaks come from measurements (:mod:`labkit.bench`).
+(:func:`roofline_plot`). The peaks come from measurements (:mod:`labkit.engine.bench`).
 
 Used in: 04_performance_analysis, 06_triton_flashattention.
 """
@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from labkit import attention as attn
+from labkit.engine import attention as attn
 from labkit.perf.memory import kind
 
 Roof = Callable[[np.ndarray], np.ndarray]  # intensity (FLOP/byte) -> attainable TFLOP/s
@@ -70,7 +70,7 @@ def roofline_points(timings: pd.DataFrame, *, roof: Roof, standard: PhaseCounts,
     :func:`io_table` (Algorithm 0), a fused kernel's :func:`compulsory_bytes`. Fewer bytes mean a
     higher intensity and a higher roof, so with the measured peaks a point lies above its roof
     only when the measurement or a peak is off (or, for standard attention, the scores stayed in
-    a cache): ``above_roof`` flags those. FLOPs are :func:`labkit.attention.flops` (4*B*H*N^2*D,
+    a cache): ``above_roof`` flags those. FLOPs are :func:`labkit.engine.attention.flops` (4*B*H*N^2*D,
     halved if causal), the matmul work the matmul peak bounds and the sweeps' ``tflops`` use.
 
     Args:

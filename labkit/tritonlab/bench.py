@@ -3,7 +3,7 @@
 - :func:`notebook_functions`: the functions a notebook's code cells define (e.g. notebook 01's
   PyTorch FlashAttention2), to measure them beside a new kernel.
 - :func:`ratio_table`: one implementation's TFLOP/s over every other's, per configuration, from a
-  sweep of :func:`labkit.bench.attention_sweep` (the implementations timed in turns, in one run).
+  sweep of :func:`labkit.engine.bench.attention_sweep` (the implementations timed in turns, in one run).
 - :func:`roofline_frame`: a sweep's forward rows placed at their compulsory-bytes intensity under
   measured roofs, ready for :func:`labkit.perf.roofline.roofline_plot`.
 - :func:`config_table`: every config of an ``@triton.autotune`` kernel timed on one problem.
@@ -53,7 +53,7 @@ def ratio_table(sweep: pd.DataFrame, numerator: str) -> pd.DataFrame:
     """TFLOP/s of ``numerator`` over each other backend of ``sweep``, per (D, causal, mode, N).
 
     Args:
-        sweep: rows of :func:`labkit.bench.attention_sweep` (backend, D, causal, mode, N, status, tflops).
+        sweep: rows of :func:`labkit.engine.bench.attention_sweep` (backend, D, causal, mode, N, status, tflops).
 
     Returns:
         DataFrame indexed by D, causal, mode, N with one column "vs <backend>" per other backend

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from labkit import attention as attn
-from labkit.kernels import RUN_ERRORS, SDPA_BACKENDS, first_output, flash_function
+from labkit.engine import attention as attn
+from labkit.engine.kernels import RUN_ERRORS, SDPA_BACKENDS, first_output, flash_function
 from labkit.measure import as_device, gc_paused, time_fn
 
 _SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -81,7 +81,7 @@ def _timer(device: torch.device, rep_ms: float) -> Callable[[Callable], float]:
 
 def _row_calls(cfg: dict, *, causal: bool, layout: str, mode: str, dtype, device) -> dict[str, Callable]:
     """The calls of one row, each a closure over one shared set of inputs."""
-    from labkit.bench import attention_inputs
+    from labkit.engine.bench import attention_inputs
 
     needs_grad = mode == "fwd_bwd"
     q, k, v = attention_inputs(**cfg, layout=layout, dtype=dtype, device=device, requires_grad=needs_grad)

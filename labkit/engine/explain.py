@@ -1,6 +1,6 @@
 """Why ``backend="auto"`` runs the kernel it runs: every backend, its role in the choice and the reason.
 
-:func:`auto` makes (or looks up) the choice :func:`labkit.attention.auto_choice` makes for tensors
+:func:`auto` makes (or looks up) the choice :func:`labkit.engine.attention.auto_choice` makes for tensors
 like the ones given, and returns one row per backend:
 
 - ``chosen``: the kernel auto runs (the fastest timed candidate, or the only one);
@@ -13,14 +13,14 @@ like the ones given, and returns one row per backend:
 ``df.attrs`` holds ``chosen`` and ``situation`` (device, the dtype the kernel sees, forward or
 forward+backward, how the candidates were timed).
 
-Used in: 02_gpt2_integration, ``python -m labkit doctor`` (:func:`labkit.doctor.auto_report`).
+Used in: 02_gpt2_integration, ``python -m labkit doctor`` (:func:`labkit.engine.doctor.auto_report`).
 """
 from __future__ import annotations
 
 import torch
 
-from labkit import attention as attn
-from labkit.kernels import BACKENDS, package_problem, static_problem
+from labkit.engine import attention as attn
+from labkit.engine.kernels import BACKENDS, package_problem, static_problem
 
 ROLES = ("chosen", "timed", "failed while timing", "not a candidate", "cannot run here")
 
@@ -31,7 +31,7 @@ def auto(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = Fa
     Args:
         q: [B, H, N, D] ("bhnd") or [B, N, H, D] ("bnhd"); k, v: the same layout with Nk keys.
             Their dtype, ``requires_grad`` and the autocast state define the situation timed, as in
-            :func:`labkit.attention.attention`.
+            :func:`labkit.engine.attention.attention`.
         causal: bottom-right causal mask.
         layout: "bhnd" or "bnhd".
 

@@ -3,7 +3,7 @@
 :func:`report` (the first cell of every notebook) prints the device, its dtypes and
 :func:`backend_table`: every attention backend and why it does not run here, if it does not.
 :func:`auto_report` (``python -m labkit doctor`` only: it times kernels) adds what ``backend="auto"``
-picks for one GPT-2 small layer, training and inference, and why (:func:`labkit.explain.auto`).
+picks for one GPT-2 small layer, training and inference, and why (:func:`labkit.engine.explain.auto`).
 
 Used in: every notebook (``lk.doctor.report()``), 01_setup_and_comparison.
 """
@@ -13,7 +13,7 @@ import platform
 
 import torch
 
-from labkit import kernels
+from labkit.engine import kernels
 from labkit.env import DeviceInfo, default_device, device_info, supported_dtypes
 
 
@@ -55,7 +55,7 @@ def report(device: str | torch.device | None = None) -> DeviceInfo:
 def auto_report(device: str | torch.device | None = None) -> None:
     """Print auto's choice, and each backend's role in it, for one GPT-2 small attention layer (B 4, H 12,
     D 64, causal; N 1024 on a GPU in bf16, 128 on a CPU in fp32): forward+backward, then forward only."""
-    from labkit import explain
+    from labkit.engine import explain
 
     dev = torch.device(device or default_device())
     dtype, n = (torch.bfloat16, 1024) if dev.type == "cuda" else (torch.float32, 128)

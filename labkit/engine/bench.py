@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import pandas as pd
 import torch
 
-from labkit import attention as attn
+from labkit.engine import attention as attn
 from labkit.env import device_info
 from labkit.measure import (Timing, as_device, call_ms, free_memory, is_oom, peak_memory, time_fn,  # noqa: F401
                       time_interleaved)
@@ -51,7 +51,7 @@ def _attention_call(backend: str, cfg: dict, *, causal: bool, mode: str, dtype, 
 
     ``fn(q, k, v, causal) -> o`` on [B, H, N, D] tensors stands in for a labkit backend
     (e.g. a student's implementation measured under the name ``backend``). Every backend gets
-    its native layout (:func:`labkit.attention.native_layout`); "auto" that of the backend it picks.
+    its native layout (:func:`labkit.engine.attention.native_layout`); "auto" that of the backend it picks.
     """
     needs_grad = mode == "fwd_bwd"
     layout = "bhnd" if fn is not None else attn.native_layout(backend)
@@ -144,7 +144,7 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
 
     Args:
         configs: dicts with B, H, N, D (see :func:`fixed_token_configs`).
-        backends: names from ``labkit.attention.BACKENDS`` or "auto"; default: every one that
+        backends: names from ``labkit.engine.attention.BACKENDS`` or "auto"; default: every one that
             runs here, plus "auto".
         dtype, device: input dtype and device (default: CUDA if available).
         custom: extra implementations ``{name: fn(q, k, v, causal) -> o}`` on bhnd tensors, measured

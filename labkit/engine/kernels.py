@@ -11,7 +11,7 @@ Every runner takes q, k, v in its *native* layout (:func:`native_layout`) and re
 
 :func:`static_problem` says, without running anything, why a backend cannot take some input;
 :func:`why_not` runs a small problem to find out. Imports only torch: the floor below
-:mod:`labkit.attention`, the entry point.
+:mod:`labkit.engine.attention`, the entry point.
 
 Used in: 01_setup_and_comparison (``lk.attention.why_not``, ``lk.attention.BACKENDS``).
 """

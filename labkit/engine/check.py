@@ -1,4 +1,4 @@
-"""The input checks of :func:`labkit.attention.attention`: what it refuses, with an error that names the fix.
+"""The input checks of :func:`labkit.engine.attention.attention`: what it refuses, with an error that names the fix.
 
 Run once per new shape (the plan cache skips them after), and by ``lk.attention.validate`` directly.
 Shapes: q [B, H, N, D] ("bhnd") or [B, N, H, D] ("bnhd"); k, v the same layout with Nk keys.
@@ -11,7 +11,7 @@ import difflib
 
 import torch
 
-from labkit.kernels import BACKENDS, AttentionInputError, static_problem
+from labkit.engine.kernels import BACKENDS, AttentionInputError, static_problem
 
 LAYOUTS = ("bhnd", "bnhd")
 NAN_POLICIES = ("raise", "ignore")

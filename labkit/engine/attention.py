@@ -5,7 +5,7 @@ Two layouts are named, never implied: ``"bhnd"`` ([B, H, N, D], SDPA's) and ``"b
 ([B, N, H, D], flash-attn's). Causal masking is aligned bottom-right, as in flash-attn and in
 decoding with a KV cache: query i may see keys j <= i + (Nk - N).
 
-Backends (:mod:`labkit.kernels`): ``reference`` (:func:`reference_attention`), ``sdpa_math``,
+Backends (:mod:`labkit.engine.kernels`): ``reference`` (:func:`reference_attention`), ``sdpa_math``,
 ``sdpa_efficient``, ``sdpa_flash``, ``sdpa_cudnn``, ``flash_attn`` (FlashAttention-2), ``fa4``
 (FlashAttention-4), and ``auto``: the fastest that runs here for this shape, timed once and cached.
 
@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from labkit.attncheck import LAYOUTS, NAN_POLICIES, _as_bhnd, _cast_dtype, _check_choice, _check_finite, validate
-from labkit.kernels import (BACKENDS, HALF, RUN_ERRORS, RUNNERS, AttentionInputError, causal_mask, native_layout,
+from labkit.engine.check import LAYOUTS, NAN_POLICIES, _as_bhnd, _cast_dtype, _check_choice, _check_finite, validate
+from labkit.engine.kernels import (BACKENDS, HALF, RUN_ERRORS, RUNNERS, AttentionInputError, causal_mask, native_layout,
                       package_problem, reference_attention, static_problem, why_not)
 from labkit.measure import time_interleaved
 
@@ -126,7 +126,7 @@ def grad_needed(q, k, v) -> bool:
 # ----------------------------------------------------------------------------- auto
 
 _AUTO_CACHE: dict[tuple, str] = {}
-# What the tuning saw, per key: backend -> median ms, or the error that dropped it (read by labkit.explain).
+# What the tuning saw, per key: backend -> median ms, or the error that dropped it (read by labkit.engine.explain).
 _AUTO_TIMINGS: dict[tuple, dict[str, float | str]] = {}
 TUNE_MS = 30.0  # timing budget per candidate: with 10 ms, one H100 run picked a kernel 15% slower than the best
 
@@ -231,7 +231,7 @@ def _step(plan: Plan, q, k, v, needs_grad: bool) -> Callable[[], None]:
     def step():
         nonlocal grad_out
         o = plan(q, k, v, None)
-        if needs_grad:  # the gradients alone, as labkit.bench times them
+        if needs_grad:  # the gradients alone, as labkit.engine.bench times them
             grad_out = torch.ones_like(o) if grad_out is None else grad_out
             torch.autograd.grad(o, (q, k, v), grad_out)
 
