@@ -7,7 +7,7 @@ The board (instructors only) is never imported here: the student bundle leaves i
 from labkit.tritonlab import mode as tritonmode
 
 tritonmode.apply_default()  # before any import of triton (torch._dynamo imports it): see tritonmode
-from labkit import env, grading, measure, plots, profiles  # noqa: E402
+from labkit.core import env, grading, measure, plots, profiles  # noqa: E402
 from labkit.engine import attention, bench, doctor, explain, kernels, overhead  # noqa: E402
 from labkit.models import gpt2, hf_attention, hfcompat, rope  # noqa: E402
 from labkit.long import ctx as longctx, data as longdata, levers, memory as longmem  # noqa: E402

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from labkit import cliargs as ca
+from labkit.core import cliargs as ca
 from labkit.engine.attention import BACKENDS, MODES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -108,7 +108,7 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
                           f"the notebooks are {', '.join(have)}; e.g. --only {have[0][:2] if have else '01'}")
     if args.command == "bench" and args.backends and "auto" not in args.backends and not args.vs_direct:
         from labkit.engine.attention import why_not  # a sweep of nothing but "unsupported" rows: say why, and what runs here
-        from labkit.env import default_device
+        from labkit.core.env import default_device
 
         device, dtype, first = default_device(), DTYPES[args.dtype], ""
         for backend, head_dim in itertools.product(args.backends, args.head_dims):  # up to the first that runs
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check(parser, args)
-    from labkit import plots
+    from labkit.core import plots
     from labkit.engine import bench, doctor
 
     if args.command == "doctor":

@@ -22,7 +22,7 @@ STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "timeout"
             "09_flex_attention": ["ok", "wrong", "flagged"]}
 LIBRARY = {"08_decode_attention": "scaled_dot_product_attention",
            "06_triton_flashattention": "scaled_dot_product_attention", "09_flex_attention": "flex_attention"}
-TAMPER = ("class PageAllocator:\n", "import labkit.measure\n\nlabkit.measure.time_interleaved = "
+TAMPER = ("class PageAllocator:\n", "import labkit.core.measure\n\nlabkit.core.measure.time_interleaved = "
                                     "lambda fns, **kwargs: ({}, {})\n\n\nclass PageAllocator:\n")
 
 
@@ -69,7 +69,7 @@ def test_08_statuses_name_their_cause(boards):
     table, _ = boards["08_decode_attention"]
     assert "NameError" in table.loc["error", "detail"] and "cell" in table.loc["error", "detail"]
     assert f"{LIMIT} s" in table.loc["timeout", "detail"]
-    assert "labkit.measure.time_interleaved" in table.loc["tamper", "detail"]
+    assert "labkit.core.measure.time_interleaved" in table.loc["tamper", "detail"]
     assert "lens=" in table.loc["wrong", "detail"], "the wrong answer is named with the shape that showed it"
 
 

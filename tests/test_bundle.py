@@ -96,7 +96,7 @@ def test_hidden_tests_may_not_hide_in_labkit(tmp_path):
     secret = sorted(bundle.secret_lines(root)["hidden test"])[0]
     with open(root / "labkit" / "grading.py", "a", encoding="utf-8") as f:
         f.write(f'\nHINT = """\n{secret}\n"""\n')
-    with pytest.raises(bundle.BundleLeakError, match="labkit/grading.py: hidden test"):
+    with pytest.raises(bundle.BundleLeakError, match="labkit/core/grading.py: hidden test"):
         bundle.build_bundle(root, tmp_path / "out.zip")
 
 
@@ -116,5 +116,5 @@ def test_missing_files_are_named(tmp_path):
 
 def test_the_board_stays_out_of_the_bundle():
     files = [f.as_posix() for f in bundle.bundle_files(ROOT)]
-    assert "labkit/grading.py" in files
+    assert "labkit/core/grading.py" in files
     assert not [f for f in files if f.startswith("labkit/board")], "the board's check shapes would reach students"

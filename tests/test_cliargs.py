@@ -1,4 +1,4 @@
-"""labkit.cliargs: the argparse types every ``python -m labkit`` command shares.
+"""labkit.core.cliargs: the argparse types every ``python -m labkit`` command shares.
 
 Each either returns the parsed value or raises ArgumentTypeError with one line that names the
 rule, a valid value and what was given; argparse turns that into its error and exit status 2
@@ -10,7 +10,7 @@ import argparse
 
 import pytest
 
-from labkit import cliargs as ca
+from labkit.core import cliargs as ca
 
 
 def refusal(parse, text: str) -> str:

@@ -1,4 +1,4 @@
-"""Tests for labkit.env: device description and dtype support."""
+"""Tests for labkit.core.env: device description and dtype support."""
 from __future__ import annotations
 
 import pytest

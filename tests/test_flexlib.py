@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from labkit import plots
+from labkit.core import plots
 from labkit.flex import bench as flexbench, lib as flexlib, varlen
 
 matplotlib.use("Agg")

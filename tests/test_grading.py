@@ -1,4 +1,4 @@
-"""Tests for labkit.grading: each helper passes on right answers and explains wrong ones in Chinese."""
+"""Tests for labkit.core.grading: each helper passes on right answers and explains wrong ones in Chinese."""
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,4 @@
-"""Tests for labkit.measure: timing in turns (on a virtual clock where the logic is tested), peak memory."""
+"""Tests for labkit.core.measure: timing in turns (on a virtual clock where the logic is tested), peak memory."""
 from __future__ import annotations
 
 import collections
@@ -123,7 +123,7 @@ def test_every_turn_starts_on_an_idle_gpu(monkeypatch):
 
 
 class VirtualClock:
-    """Stands in for the ``time`` module of labkit.measure: work advances it by exact amounts, so
+    """Stands in for the ``time`` module of labkit.core.measure: work advances it by exact amounts, so
     timing logic is tested without a busy CPU's preemptions."""
 
     def __init__(self):

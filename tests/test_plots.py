@@ -1,4 +1,4 @@
-"""Tests for labkit.plots: Chinese labels only where a CJK font exists, never a missing glyph."""
+"""Tests for labkit.core.plots: Chinese labels only where a CJK font exists, never a missing glyph."""
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Tests for labkit.profiles: the cpu/gpu size profile and how it is chosen."""
+"""Tests for labkit.core.profiles: the cpu/gpu size profile and how it is chosen."""
 from __future__ import annotations
 
 import ast

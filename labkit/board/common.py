@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from labkit import grading
+from labkit.core import grading
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from labkit.board import common
-from labkit import grading
+from labkit.core import grading
 from labkit.board.common import Spec
 
 def decode_exact(q, k, v, lens, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from labkit.board import common
-from labkit import grading
+from labkit.core import grading
 from labkit.board.common import Spec
 
 

@@ -3,12 +3,12 @@
 Each :class:`Spec` (:mod:`labkit.board.common`) names the graded functions a notebook must define and gives its
 steps, each run in the student's own process (:mod:`labkit.board.worker`) on the namespace the notebook's cells built:
 
-- ``own``: label -> function whose code :func:`labkit.grading.check_own_code` checks (no labkit, no library
+- ``own``: label -> function whose code :func:`labkit.core.grading.check_own_code` checks (no labkit, no library
   attention or softmax) and whose call must launch Triton kernels defined in the notebook (``calls``: tiny calls);
 - ``check(ns, seed, device)``: the graded functions on fresh inputs drawn from the board's secret seed, at
   shapes the visible tests never use (uneven lengths, N not a multiple of the block, N != Nk, GQA with a
   group of 3, masks and a sink); raises AssertionError (-> ``wrong``). fp32 inputs: an absolute tolerance against
-  float64; bf16 (GPU): the course's 2x rule (:func:`labkit.grading.check_within_2x`);
+  float64; bf16 (GPU): the course's 2x rule (:func:`labkit.core.grading.check_within_2x`);
 - ``time(ns, seed, device, target_ms)``: GPU only. The student's calls beside the library kernels, the notebook's
   timers; then the timed tensors rewritten in place and the calls checked again (a cached output fails).
 

@@ -17,7 +17,7 @@ here), the secret seed, whether to time, and where to write the result, a JSON o
    file name kept in ``linecache``, as IPython does, so ``inspect`` and ``@triton.jit`` read its source.
    A cell that raises -> ``error`` (its exception's last line).
 4. The snapshot again (-> ``flagged``); the graded names defined (-> ``error``); their code checked by
-   :func:`labkit.grading.check_own_code` (no labkit, SDPA or softmax) and :func:`library_reached` (no flash-attn,
+   :func:`labkit.core.grading.check_own_code` (no labkit, SDPA or softmax) and :func:`library_reached` (no flash-attn,
    FlashInfer, xFormers, flex attention or SDPA's kernel ops) (-> ``flagged``); a tiny call of each
    must launch a Triton kernel defined in the notebook (:func:`labkit.tritonlab.mode.launches`, -> ``flagged``).
 5. The assignment's check on fresh inputs (:mod:`labkit.board.specs`, AssertionError -> ``wrong``), then,
@@ -50,7 +50,7 @@ def _guarded() -> dict[str, object]:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    from labkit import grading, measure
+    from labkit.core import grading, measure
     from labkit.engine import attention, bench
     from labkit.tritonlab import mode as tritonmode
     from labkit.decoding import decode, graphtime, readbw
@@ -127,7 +127,7 @@ def library_reached(fn) -> str | None:
     name (``torch.ops.aten._scaled_dot_product_flash_attention``); None if it does not."""
     import inspect
 
-    from labkit.grading import _first_reached
+    from labkit.core.grading import _first_reached
 
     def library(obj) -> bool:
         module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None) \
@@ -138,7 +138,7 @@ def library_reached(fn) -> str | None:
 
 
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
-    from labkit import grading
+    from labkit.core import grading
     from labkit.tritonlab import mode as tritonmode
     from labkit.board.specs import forbidden
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from unittest import mock
 
-from labkit.env import GPU_ONLY_PREFIX
+from labkit.core.env import GPU_ONLY_PREFIX
 from labkit.course.runguard import REPORT_PREFIX
 
 SUMMARY_TAG = "summary"
@@ -169,7 +169,7 @@ def execute_all(root: Path, out: Path, *, only: list[str] | None = None, profile
 
     ``strict``: a run-guard violation fails its cell instead of being reported in the summary.
     """
-    from labkit import profiles
+    from labkit.core import profiles
 
     if profile is not None and profile not in profiles.PROFILES:
         raise ValueError(f"profile {profile!r} is not one of {profiles.PROFILES}")
@@ -188,7 +188,7 @@ def write_summary(runs: list[NotebookRun], out: Path, *, profile: str) -> Path:
     """``summary.md`` and ``summary.json`` from the runs; returns the Markdown path."""
     import torch
 
-    from labkit import env
+    from labkit.core import env
 
     info = env.device_info()
     device = f"{info.name} (sm{info.sm}, {info.memory_gib:.0f} GiB)" if info.device == "cuda" else f"CPU ({info.name})"

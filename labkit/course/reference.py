@@ -1,6 +1,6 @@
 """The course's own GPU run, shown where the reader's machine cannot measure: labelled, never passed off.
 
-A cell that measures something only a GPU can (it calls :func:`lk.env.gpu_only <labkit.env.gpu_only>`
+A cell that measures something only a GPU can (it calls :func:`lk.env.gpu_only <labkit.core.env.gpu_only>`
 on other machines) ends its CPU branch with ``lk.reference.show("NN_slug", "cell-id")``: that shows
 the outputs the same cell produced in the course's reference run (tables, printed numbers,
 figures), under a heading that names the device, the date and the versions. A reader without a GPU
@@ -32,7 +32,7 @@ def _run_facts() -> dict:
 
     import torch
 
-    from labkit import env
+    from labkit.core import env
 
     info = env.device_info()
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda or "-"}

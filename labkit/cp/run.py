@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labkit import cliargs as ca
-from labkit import profiles
+from labkit.core import cliargs as ca
+from labkit.core import profiles
 from labkit.cp import cpu as cpcpu, train as cptrain
 
 

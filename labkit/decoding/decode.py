@@ -139,7 +139,7 @@ def sdpa_decode_sweep(contexts: list[int], batches: list[int], *, h_q: int, h_kv
         contexts: context lengths N (keys per sequence).
         batches: batch sizes B.
         h_q, h_kv, d: query heads, key/value heads (GQA when h_kv < h_q), head dim.
-        target_ms: timing budget per call (:func:`labkit.measure.time_interleaved`, L2 flushed by a read
+        target_ms: timing budget per call (:func:`labkit.core.measure.time_interleaved`, L2 flushed by a read
             before each timed call: at N = 8K one layer's K/V in bf16, 33.6 MB, fits in an H100's 50 MB
             L2, and a loop of one call would read it from there, faster than any decode step of a real
             model does).

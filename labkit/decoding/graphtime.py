@@ -1,6 +1,6 @@
 """CUDA-graph timing: calls captured in graphs and replayed, as a serving engine runs a decode step.
 
-A timing primitive beside :mod:`labkit.measure` (which it uses for the turns and the L2 flush):
+A timing primitive beside :mod:`labkit.core.measure` (which it uses for the turns and the L2 flush):
 
 - :func:`graphed`: each call (or list of calls) captured in a CUDA graph of its own; a replay launches
   the captured kernels with one driver call, so what is compared is the GPU's time, not whose Python
@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from labkit import measure
+from labkit.core import measure
 from labkit.engine.kernels import RUN_ERRORS  # what a kernel that cannot take an input raises
 
 LAYERS = 8   # attention calls per timed CUDA graph: a model's decode step runs one per layer in one graph
@@ -141,7 +141,7 @@ def time_per_call(per_cache: list[dict[str, Callable[[], object]]], device, *, t
                   errors: tuple[type[BaseException], ...] = RUN_ERRORS,
                   ) -> tuple[dict[str, float], dict[str, BaseException]]:
     """Median milliseconds per call of each name of ``per_cache`` (the same calls on each of several caches,
-    :func:`caches_for` of them), timed in turns (:func:`labkit.measure.time_interleaved`).
+    :func:`caches_for` of them), timed in turns (:func:`labkit.core.measure.time_interleaved`).
 
     With ``graph`` (default: on a GPU): each name's :data:`LAYERS` calls cycling the caches captured in one CUDA
     graph (:func:`layered`, :func:`graphed`), L2 flushed by a read before each replay, a replay's time over

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from labkit import measure, profiles
+from labkit.core import measure, profiles
 from labkit.decoding import graphtime
 
 READ_ONLY = "read only"   # the name of read_once's row or column
@@ -66,7 +66,7 @@ def _programs(device: torch.device, config: tuple[int, int, int, int]) -> int:
 def read_bandwidth(*, device=None, mib: int | None = None, target_ms: float = 50.0) -> float:
     """Measured read-only bandwidth in bytes/s (reads only counted): the fastest of :data:`READ_CONFIGS`
     streaming over a ``mib`` MiB bf16 buffer (default: 8 GiB, or a quarter of the free GPU memory if less,
-    ``LABKIT_GPU_MEMORY_GB``'s cap counted: :func:`labkit.profiles.free_bytes`),
+    ``LABKIT_GPU_MEMORY_GB``'s cap counted: :func:`labkit.core.profiles.free_bytes`),
     timed as the decode kernels are (:func:`labkit.decoding.graphtime.time_per_call`: graphs of LAYERS launches, L2
     flushed by a read), so fixed costs weigh alike. The winning config is kept for :func:`read_once` on this
     device. CPU: ``torch.sum`` over a ``mib`` (default 64) MiB fp32 buffer."""

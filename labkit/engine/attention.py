@@ -26,7 +26,7 @@ import torch
 from labkit.engine.check import LAYOUTS, NAN_POLICIES, _as_bhnd, _cast_dtype, _check_choice, _check_finite, validate
 from labkit.engine.kernels import (BACKENDS, HALF, RUN_ERRORS, RUNNERS, AttentionInputError, causal_mask, native_layout,
                       package_problem, reference_attention, static_problem, why_not)
-from labkit.measure import time_interleaved
+from labkit.core.measure import time_interleaved
 
 MODES = ("fwd", "fwd_bwd")  # what flops() and the benchmarks time: forward, forward+backward
 MAX_PLANS = 4096  # distinct keys kept (decoding with a growing KV cache makes a new key per token)
@@ -138,7 +138,7 @@ def auto_choice(q, k, v, *, causal: bool = False, layout: str = "bhnd") -> str:
     does; ``reference`` when nothing else can, e.g. causal N != Nk on a CPU); a single candidate
     is taken as it is. Several are timed (forward, or forward+backward when autograd needs
     gradients) on detached views of the inputs, taking turns in short blocks
-    (:func:`labkit.measure.time_interleaved`) so a GPU clock that drifts favours no one, with L2
+    (:func:`labkit.core.measure.time_interleaved`) so a GPU clock that drifts favours no one, with L2
     flushed before each call (in a training step the inputs come cold from other layers) and each
     turn started on an idle GPU. What a call costs depends on the situation:
     - inference (no gradients): the longer of its GPU and its host time. A forward at short N is

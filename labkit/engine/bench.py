@@ -4,7 +4,7 @@
   configuration and backend, out-of-memory rows recorded instead of fatal.
 - :func:`matmul_peak_tflops`, :func:`copy_bandwidth`: this device's measured peaks.
 - :func:`auto_vs_best`: per configuration, "auto" against the fastest named backend.
-- The measurement primitives live in :mod:`labkit.measure` and are re-exported here
+- The measurement primitives live in :mod:`labkit.core.measure` and are re-exported here
   (``lk.bench.time_fn``, ``lk.bench.peak_memory``, ...), the names the notebooks use.
 
 Used in: 01_setup_and_comparison, 04_performance_analysis.
@@ -19,8 +19,8 @@ import pandas as pd
 import torch
 
 from labkit.engine import attention as attn
-from labkit.env import device_info
-from labkit.measure import (Timing, as_device, call_ms, free_memory, is_oom, peak_memory, time_fn,  # noqa: F401
+from labkit.core.env import device_info
+from labkit.core.measure import (Timing, as_device, call_ms, free_memory, is_oom, peak_memory, time_fn,  # noqa: F401
                       time_interleaved)
 
 

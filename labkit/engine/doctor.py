@@ -14,7 +14,7 @@ import platform
 import torch
 
 from labkit.engine import kernels
-from labkit.env import DeviceInfo, default_device, device_info, supported_dtypes
+from labkit.core.env import DeviceInfo, default_device, device_info, supported_dtypes
 
 
 def backend_table(device: str | torch.device | None = None, dtype: torch.dtype | None = None,

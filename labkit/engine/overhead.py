@@ -9,7 +9,7 @@ For each configuration, layout, causal flag and mode (forward, forward+backward)
 In forward+backward rows each call's output gradient dO is ``ones_like`` of its own output, so it
 arrives in the layout the kernel wrote O in, as in training (and as ``auto`` tunes).
 Each call is timed with ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls) where
-triton is installed, else :func:`labkit.measure.time_fn`; the calls of one row take turns over
+triton is installed, else :func:`labkit.core.measure.time_fn`; the calls of one row take turns over
 ``rounds`` rounds, each round in its own shuffled order, with Python's garbage collector paused.
 Each ratio is the median over rounds of the two calls' ratio within a round (:func:`paired_ratio`),
 not a ratio of two medians. What made that necessary, measured on an H100 (one kernel under two
@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from labkit.engine import attention as attn
 from labkit.engine.kernels import RUN_ERRORS, SDPA_BACKENDS, first_output, flash_function
-from labkit.measure import as_device, gc_paused, time_fn
+from labkit.core.measure import as_device, gc_paused, time_fn
 
 _SDPA = {"sdpa_math": SDPBackend.MATH, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
          "sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}

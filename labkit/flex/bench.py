@@ -14,7 +14,7 @@ forward (``pass`` "fwd") and the forward with its backward ("fwd+bwd": dq, dk, d
   through its varlen function), and ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` for documents.
 
 Every call runs once before timing: a backend that fails (not installed, refused, out of memory) gets its
-error in ``status`` and the rest go on. Timings take turns (:func:`labkit.measure.time_interleaved`), one pass at a
+error in ``status`` and the rest go on. Timings take turns (:func:`labkit.core.measure.time_interleaved`), one pass at a
 time: the forwards with each other, then the forward+backwards, so that a 0.2-ms forward is not timed in turns with
 15-ms forward+backwards (:func:`_timed_by_pass`).
 :func:`build_block_mask` builds each block mask (compiled when the eager build runs out of memory);
@@ -31,7 +31,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
-from labkit import measure
+from labkit.core import measure
 from labkit.engine import kernels
 from labkit.flex.varlen import fa4_varlen, kwargs_accepted, varlen_attend
 
@@ -158,10 +158,10 @@ def _calls(q, k, v, lists, case, N, bm, rule, *, mine, mine_backward, also, pass
 
 
 def _timed_by_pass(calls: dict, device: str, target_ms: float) -> tuple[dict, dict]:
-    """:func:`labkit.measure.time_interleaved` over the calls of one pass at a time ({(backend, pass): fn}):
+    """:func:`labkit.core.measure.time_interleaved` over the calls of one pass at a time ({(backend, pass): fn}):
     ({key: Timing}, {key: error}). Calls in turns share the GPU's conditions; what a heavy call leaves behind
     (clocks, power) falls on the next turn, so like is timed with like. Each call is timed at least once per
-    turn of a whole balanced round (:func:`labkit.measure.balanced_turns`), so even a call too slow for more
+    turn of a whole balanced round (:func:`labkit.core.measure.balanced_turns`), so even a call too slow for more
     than the minimum follows each other call as often."""
     timings, errors = {}, {}
     for p in dict.fromkeys(key[1] for key in calls):

@@ -84,7 +84,7 @@ def plot_grids(grids: dict[str, torch.Tensor], *, title: str = ""):
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    from labkit import plots
+    from labkit.core import plots
 
     colors = ("#ffffff", "#f4a259", "#3d5a80")
     fig, axes = plt.subplots(1, len(grids), figsize=(3.6 * len(grids), 3.8), squeeze=False)

@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from labkit import measure
+from labkit.core import measure
 from labkit.models import gpt2
 from labkit.flex import bench as flexbench, varlen
 

@@ -23,12 +23,12 @@ import pandas as pd
 import torch
 
 from labkit.engine import attention as attn
-from labkit import cliargs as ca
+from labkit.core import cliargs as ca
 from labkit.models import gpt2, rope
 from labkit.long import levers, memory as longmem
-from labkit.env import default_device
+from labkit.core.env import default_device
 from labkit.long.summary import _stop_before, summary  # noqa: F401 - lk.longctx.summary
-from labkit.measure import allocated_bytes, call_ms, free_memory, is_oom, peak_memory
+from labkit.core.measure import allocated_bytes, call_ms, free_memory, is_oom, peak_memory
 
 
 @dataclass(frozen=True)

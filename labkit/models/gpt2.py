@@ -20,9 +20,9 @@ import torch
 
 from labkit.engine import attention as attn
 from labkit.models import hf_attention
-from labkit.env import default_device
+from labkit.core.env import default_device
 from labkit.models.hf_attention import ATTN_NAME, DEFAULT_BACKEND
-from labkit.measure import allocated_bytes, free_memory, is_oom, peak_memory, time_fn
+from labkit.core.measure import allocated_bytes, free_memory, is_oom, peak_memory, time_fn
 
 SIZES = {  # n_layer, n_embd, n_head (head dim 64 except tiny), vocab, positions
     # tiny: bytes as tokens; a wider init so a random model does not just echo its input

@@ -129,7 +129,7 @@ class NaNMonitor:
         modules that produced NaN/Inf are drawn red. Returns the Axes."""
         import matplotlib.pyplot as plt
 
-        from labkit.plots import label
+        from labkit.core.plots import label
         s = self.summary()
         if ax is None:
             _, ax = plt.subplots(figsize=(max(6, 0.28 * len(s)), 3.6))

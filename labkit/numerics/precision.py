@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from labkit.engine import attention as attn
-from labkit.measure import is_oom
+from labkit.core.measure import is_oom
 
 HALF = (torch.float16, torch.bfloat16)
 

@@ -20,7 +20,7 @@ import torch
 
 from labkit.engine import attention as attn
 from labkit.engine import bench
-from labkit.env import device_info
+from labkit.core.env import device_info
 from labkit.perf.memory import kind
 
 

@@ -127,7 +127,7 @@ def roofline_plot(points: pd.DataFrame, *, roof: Roof, ridge: float, ax=None, la
     points above their roof. Returns the Axes."""
     import matplotlib.pyplot as plt
 
-    from labkit.plots import label
+    from labkit.core.plots import label
 
     ax = ax or plt.subplots(figsize=(6.4, 4.2))[1]
     xs = pd.concat([points["intensity"], points["intensity_tiled"]]).dropna()

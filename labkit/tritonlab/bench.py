@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from labkit.measure import time_interleaved
+from labkit.core.measure import time_interleaved
 from labkit.perf.roofline import fused_points
 
 KEYS = ["D", "causal", "mode", "N"]

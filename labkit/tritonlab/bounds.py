@@ -28,7 +28,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from labkit import grading
+from labkit.core import grading
 from labkit.tritonlab import mode as tritonmode
 
 

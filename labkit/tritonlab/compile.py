@@ -9,7 +9,7 @@ memory, and whether ``tl.dot`` became Hopper's ``wgmma`` or Ampere's ``mma.sync`
 
 - :func:`recorded`: the launches of the notebook's kernels while a block runs (their arguments).
 - :func:`compile_launches`: compile each distinct kernel for each architecture; one report per pair.
-- :func:`check_compiles`: the test cells' check; fails in :mod:`labkit.grading`'s style, naming the
+- :func:`check_compiles`: the test cells' check; fails in :mod:`labkit.core.grading`'s style, naming the
   kernel, the architecture and the cause.
 - :func:`check_no_tf32`: the test cells' check that fp32 launches stay IEEE fp32 in the compiled code.
 - :func:`check_fp32_statistics`: the test cells' check that bf16/fp16 launches compute in fp32 (Triton IR).
@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from labkit import grading
+from labkit.core import grading
 from labkit.tritonlab import mode as tritonmode
 
 ARCHS = {80: "sm80 (Ampere)", 90: "sm90 (Hopper)"}

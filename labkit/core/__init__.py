@@ -1,0 +1,1 @@
+"""A part of labkit (docstring below in the layout commit)."""
