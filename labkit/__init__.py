@@ -1,8 +1,9 @@
 """labkit: helpers for the course "Lab-1.5: FlashAttention Deep Dive".
 
-Notebooks use ``import labkit as lk`` and reach every module they need as ``lk.<name>``: the lines below bind
-each of those names, one line per part of the package, each saying where the module lives.
-The board (instructors only) is never imported here: the student bundle leaves it out.
+Notebooks use ``import labkit as lk`` and reach every module they need as ``lk.<name>``. Each line below binds
+those names for one part of the package (``from labkit.cp import memory as cpmem``: lk.cpmem lives in
+labkit/cp/memory.py), to the module itself, so a test that patches ``lk.cpmem.x`` patches the code.
+The board (labkit/board/, instructors only) is never imported here: the student bundle leaves it out.
 """
 from labkit.tritonlab import mode as tritonmode
 

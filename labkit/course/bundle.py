@@ -13,10 +13,10 @@ leaks and refuses to write a bundle that has any:
   ``labkit/`` holds the reference implementations that answers are checked against, so a line of
   solution *code* may coincide with a reference there; hidden tests and model answers may not.
 
-The board's modules (``labkit/board*.py``, ``python -m labkit board``) stay out of the bundle: an instructor's tool,
+The board (``labkit/board/``, ``python -m labkit board``) stays out of the bundle: an instructor's tool,
 with the check shapes and mask rules it judges submissions by.
 
-Used in: the Makefile (``bundle``), ``tests/test_bundle.py``.
+Used in: the Makefile (``bundle``), ``tests/labkit/course/test_bundle.py``.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ BUNDLE_FILES = ("README.md", "environment.yml", "pyproject.toml", "constraints.t
 BUNDLE_DIRS = ("notebooks", "labkit")
 EXCLUDED_PARTS = {"__pycache__", ".ipynb_checkpoints"}
 # instructors' tools that students must not see: the board's check shapes, its index rules and its seed handling
-INSTRUCTOR_ONLY = ("labkit/board",)
+INSTRUCTOR_ONLY = ("labkit/board/",)
 FORBIDDEN_DIRS = ("solutions", "tests")
 MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 MIN_LINE_CHARS = 24

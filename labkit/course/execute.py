@@ -15,7 +15,7 @@ default (violations are listed in the summary) or "raise" mode (``strict``: they
 A failing cell does not stop the run: its error is recorded and the next cell runs, and the
 summary is rewritten after every notebook, so a long run that is cut short loses nothing.
 
-Used in: the Makefile (``execute``), the GPU verification of the course, ``tests/test_execute.py``.
+Used in: the Makefile (``execute``), the GPU verification of the course, ``tests/labkit/course/test_execute.py``.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ then :func:`build` from the executed copies); it writes ``labkit/course/referenc
 (one per notebook): the run's facts and, for every code cell whose source calls ``gpu_only``, its
 outputs (text, HTML tables, PNG figures).
 
-Used in: notebooks 01-07 (GPU-only cells), the Makefile (``reference``), ``tests/test_reference.py``.
+Used in: notebooks 01-07 (GPU-only cells), the Makefile (``reference``), ``tests/labkit/course/test_reference.py``.
 """
 from __future__ import annotations
 

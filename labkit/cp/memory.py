@@ -7,7 +7,7 @@ learned positions that includes the position table of all N rows. The chunked lo
 depend on its chunk size, not on N, so they do not shrink either.
 
 What is alive *at the peak* decides the prediction, and three things are not there (each found
-in the code and checked against a step's allocations on a CPU, tests/test_cpmem.py):
+in the code and checked against a step's allocations on a CPU, tests/labkit/cp/test_cpmem.py):
 
 - the position table's gradient: the embedding's backward is the step's last op, after every
   layer has freed its input, so the table costs ``12*h`` bytes per position at the layers' peak

@@ -28,7 +28,7 @@ class LeverCoefficients:
 
     Fitted to peaks measured phase by phase (the chunked loss's backward ends one phase) for
     GPT-2 small on an H100 (bf16 autocast, fused AdamW, batch 1, labkit attention, N = 16K-128K,
-    torch 2.11); the search's peaks up to N = 1M agree within 6% (tests/test_longmem.py lists them).
+    torch 2.11); the search's peaks up to N = 1M agree within 6% (tests/labkit/long/test_longmem.py lists them).
     """
 
     layer: float = 120.0                 # the layer being recomputed, at its backward's peak (full MLP)

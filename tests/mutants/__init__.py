@@ -15,7 +15,7 @@ One module per notebook (``nbNN.py``), each with the same names:
 - ``ACCEPTED`` (optional): grade_id -> [(name, text, replacement)]: right answers written another way that the
   prose allows (e.g. 09's D from PyTorch instead of a preprocess kernel); each must pass the whole test cell.
 
-Used in: tests/test_grader_strength.py.
+Used in: tests/course/test_grader_strength.py.
 """
 from importlib import import_module
 

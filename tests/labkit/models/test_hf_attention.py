@@ -1,6 +1,6 @@
 """labkit.models.hf_attention: the registered name, the routes of the attention function, call recording.
 
-Tolerances as in tests/test_gpt2.py: fp32 paths differ only in summation order (~1e-6 relative);
+Tolerances as in tests/labkit/models/test_gpt2.py: fp32 paths differ only in summation order (~1e-6 relative);
 1e-5 relative L2 leaves margin without hiding a wrong mask or scale (errors of order 1e-1).
 """
 from __future__ import annotations

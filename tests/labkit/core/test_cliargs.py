@@ -2,7 +2,7 @@
 
 Each either returns the parsed value or raises ArgumentTypeError with one line that names the
 rule, a valid value and what was given; argparse turns that into its error and exit status 2
-(tests/test_cli.py runs each command with bad input).
+(tests/course/test_cli.py runs each command with bad input).
 """
 from __future__ import annotations
 

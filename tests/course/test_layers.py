@@ -3,6 +3,11 @@
 Imports are read from the source of every module, in every subpackage (module level and inside functions
 alike: a lazy import is still a dependency), keyed by dotted name (``labkit.core.measure``). labkit ships in
 the student bundle, so no line of a solution block of solutions/ may stand verbatim in it.
+
+The layer rules between subpackages (``ALLOWED``): the floor (core) imports no other part; the engine only the floor;
+the topics build on the engine and on each other downward only (cp -> long -> models/perf; flex -> models;
+tritonlab -> perf); no topic imports the course pipeline, the board or the command line; only the command line
+(``labkit/__main__.py``) imports the board, and only the board's worker imports the face (it runs notebooks).
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "labkit"
 
 
@@ -52,6 +57,29 @@ KNOWN = {module_name(p) for p in FILES}
 GRAPH = {module_name(p): labkit_imports(p, KNOWN) for p in FILES if module_name(p) not in ("labkit", "labkit.__main__")}
 
 
+LESSONS = {"models", "perf", "numerics", "decoding", "tritonlab", "long", "flex", "cp"}
+ALLOWED = {  # subpackage -> the other subpackages it may import
+    "core": set(),
+    "engine": {"core"},
+    "models": {"core", "engine"},
+    "perf": {"core", "engine"},
+    "numerics": {"core", "engine"},
+    "decoding": {"core", "engine"},
+    "tritonlab": {"core", "engine", "perf"},
+    "long": {"core", "engine", "models", "perf"},
+    "flex": {"core", "engine", "models", "perf"},
+    "cp": {"core", "engine", "models", "perf", "long"},
+    "checks": {"core", "engine"} | LESSONS,
+    "course": {"core"},
+    "board": {"core", "engine", "course", "checks", "labkit"} | LESSONS,  # "labkit": the face, to run notebook cells
+}
+
+
+def wing(module: str) -> str:
+    """``labkit.core.measure`` -> ``core``; the face ``labkit`` -> ``labkit``."""
+    return module.split(".")[1] if "." in module else module
+
+
 def test_the_walk_sees_every_module():
     assert len(GRAPH) >= 50, f"the walk should reach every labkit module, in subpackages too: {len(GRAPH)}"
 
@@ -72,6 +100,37 @@ def test_labkit_imports_have_no_cycles():
 
     for module in sorted(GRAPH):
         visit(module, [])
+
+
+def test_labkit_holds_only_the_face_the_command_line_and_subpackages():
+    top = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    loose = [n for n in top if n not in ("__init__.py", "__main__.py") and not (PACKAGE / n / "__init__.py").exists()]
+    assert not loose, f"labkit/ should hold __init__.py, __main__.py and subpackages only: {loose}"
+    assert {n for n in top if (PACKAGE / n).is_dir()} == set(ALLOWED), "every subpackage states its layer rule in ALLOWED"
+
+
+def upward(module: str, imports: set[str]) -> list[str]:
+    """The subpackages ``module`` imports that its own may not (``ALLOWED``)."""
+    return sorted({wing(dep) for dep in imports} - {wing(module)} - ALLOWED[wing(module)])
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_each_subpackage_imports_only_the_layers_below_it(module):
+    assert not upward(module, GRAPH[module]), (
+        f"{module} imports {upward(module, GRAPH[module])}: {wing(module)}/ may import only {sorted(ALLOWED[wing(module)])}")
+
+
+def test_only_the_command_line_imports_the_board():
+    main = labkit_imports(PACKAGE / "__main__.py", KNOWN)
+    assert any(wing(m) == "board" for m in main)
+    face = labkit_imports(PACKAGE / "__init__.py", KNOWN)
+    assert not [m for m in face if wing(m) == "board"], "the face must not import the board (the bundle leaves it out)"
+
+
+def test_the_layer_rule_catches_an_upward_import():
+    assert upward("labkit.flex.bench", {"labkit.course.reference", "labkit.core.measure"}) == ["course"]
+    assert upward("labkit.core.env", {"labkit.engine.kernels"}) == ["engine"]
+    assert upward("labkit.checks.nb06", {"labkit.board.nb06", "labkit.tritonlab.mode"}) == ["board"]
 
 
 @pytest.mark.parametrize("path", FILES, ids=[module_name(p) or "labkit" for p in FILES])

@@ -1,5 +1,5 @@
 """labkit.long.levers: each lever gives the same loss and gradients as training without it, and keeps
-less for the backward (the amounts themselves: tests/test_longmem.py).
+less for the backward (the amounts themselves: tests/labkit/long/test_longmem.py).
 
 Tolerances: checkpointing recomputes the same ops on the same inputs (bitwise equal). Chunking
 changes only matmul row counts and summation order: fp32 round-off (rtol 1e-5); in float64 1e-12.
@@ -104,7 +104,7 @@ def test_offload_same_loss_and_gradients_and_counts_what_moves():
     gpt2.enable_checkpointing(model)
     loss, grads, hooks = loss_and_grads(model, IDS, chunk_size=16, offload=True)
     assert torch.equal(loss, ref[0]) and all(torch.equal(a, b) for a, b in zip(grads, ref[1]))
-    assert hooks.host_bytes > 0  # the amount: tests/test_longmem.py
+    assert hooks.host_bytes > 0  # the amount: tests/labkit/long/test_longmem.py
 
 
 @pytest.mark.gpu

@@ -144,7 +144,7 @@ def test_the_cpu_profile_has_no_gpu_memory(clean_env):
 
 # ----------------------------------------------------------------------------- the notebooks' own profiles
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 NOTEBOOKS = {p.stem[:2]: p for p in sorted((ROOT / "solutions").glob("0*/0*.ipynb")) if "01" <= p.stem[:2] <= "08"}
 LABELS = (8, 16, 24, 48)   # GB on the card's label; the cap LABKIT_GPU_MEMORY_GB emulates them on a large GPU
 # What a program may allocate on a card: a T4 reports 14.7 GiB of its 16 (the smallest share among the cards the

@@ -114,7 +114,7 @@ def test_nbval_kernels_of_the_test_command_are_guarded(tmp_path):
     cells = [new_code_cell("print('fine')"), new_code_cell("import warnings\nwarnings.warn('old API', FutureWarning)")]
     nbformat.write(new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                        "language": "python"}}), tmp_path / "nb.ipynb")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            str(root / "tests" / "test_profiles.py"), "-k", "not gpu", str(tmp_path / "nb.ipynb"),
                            "--nbval-lax", "--nbval-current-env"], cwd=root, capture_output=True, text=True,

@@ -6,7 +6,7 @@ chosen setup cells and the answers in one namespace, compiles every cell under i
 ``linecache`` (so ``inspect.getsource`` works, as in IPython) and grades an answer against the visible
 part of the test cell, then the whole cell with the hidden tests.
 
-Used in: tests/test_grader_strength.py.
+Used in: tests/course/test_grader_strength.py.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = re.compile(r"### BEGIN HIDDEN TESTS.*?### END HIDDEN TESTS\n?", re.S)
 _serial = itertools.count()
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(ROOT.glob("notebooks/[0-9]*/[0-9]*.ipynb"))
 CHROMIUM = next((p for p in ["/usr/bin/chromium", *map(shutil.which, ("chromium", "chromium-browser",
                                                                        "google-chrome"))]
@@ -330,7 +330,7 @@ def assert_opening_changed_nothing(path: Path, before: bytes, mtime: int) -> Non
     """The notebook file is as it was after autosave had its chance: same bytes, not even saved again.
 
     The kernel (this interpreter) reports its Python's version in language_info; where that differs from
-    the notebook's, JupyterLab rewrites that one field (tests/test_notebook_metadata.py says why), and
+    the notebook's, JupyterLab rewrites that one field (tests/course/test_notebook_metadata.py says why), and
     nothing else may change.
     """
     nb = json.loads(before)

@@ -22,7 +22,7 @@ import labkit
 import pytest
 from labkit.course import bundle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAIN = re.compile(r"(?<![\w.])(?:lk|labkit)((?:\.[A-Za-z_]\w*)+)")
 # bound by the face for the unit tests (lk.kernels, lk.cpcpu, lk.cptrain), named by no notebook cell
 FOR_TESTS = {"cpcpu", "cptrain", "kernels"}

@@ -3,7 +3,7 @@
 ``make test`` sets ``LABKIT_LOCK`` to the lock it installed from; ``make test-latest`` sets it empty
 (the newest versions pyproject allows, on purpose unlocked), and these checks of the installed
 versions skip there. Deprecated APIs under the locked versions are the run guard's job
-(tests/test_runguard.py and every notebook run through nbval).
+(tests/labkit/course/test_runguard.py and every notebook run through nbval).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "constraints.txt"
 
 

@@ -4,7 +4,7 @@ Per notebook, ``tests/mutants/nbNN.py`` lists the rules each exercise's prose st
 student mistakes (an off-by-one tile bound, a missing rescale, a mask convention, a dtype slip, a
 library call where the exercise is to write it) and answers fitted to the visible cases, each as a
 text substitution in the solution's answer. Each runs against the exercise's test cell, visible part
-first, then with the hidden tests (tests/notebook_grader.py, one namespace per notebook, cpu profile):
+first, then with the hidden tests (tests/support/notebook_grader.py, one namespace per notebook, cpu profile):
 
 - the solution passes the whole cell; the blank release answer fails the visible part;
 - every mistake fails a VISIBLE test (the student hears of it before submitting), except at most one
@@ -27,7 +27,7 @@ from mutants import NOTEBOOKS, load
 from notebook_grader import NotebookRunner, exercises, setup_cells
 
 pytestmark = pytest.mark.slow
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 MIN_MISTAKES = 3
 
 

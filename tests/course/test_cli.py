@@ -90,7 +90,7 @@ def test_bench_unknown_mode_exits_2(tmp_path, capsys, modes):
 
 # ----------------------------------------------------------------------------- bad input, as a new user types it
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the rule holds on a machine without CUDA")
 
 

@@ -3,7 +3,7 @@
 When the ``python3`` kernel starts, JupyterLab stores in the notebook's top-level metadata the
 kernelspec it opened (name, display name, language) and the kernel's ``language_info`` (from
 ipykernel's ``kernel_info`` reply). Where the file holds less, opening the notebook marks it
-modified and autosave rewrites it. ``tests/test_browser.py`` checks the same in a real JupyterLab.
+modified and autosave rewrites it. ``tests/course/test_browser.py`` checks the same in a real JupyterLab.
 
 The one field no file can match for every reader is ``language_info.version``: the kernel reports
 its own Python's (3.11.7 here, something else on another machine), and a reader whose Python
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = [p for tree in ("solutions", "notebooks") for p in sorted(ROOT.glob(f"{tree}/[0-9]*/[0-9]*.ipynb"))]
 
 

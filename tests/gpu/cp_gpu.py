@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _emit(rows: list[dict], out: Path, name: str) -> None:
@@ -131,7 +131,7 @@ def torchsrc(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python tests/cp_gpu.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python tests/gpu/cp_gpu.py", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "build" / "cp_gpu")))
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bandwidth")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Words that refer to documents the student never had, or speak in the instructor's voice.
 HISTORY = re.compile(r"原始講義|種子|舊教材|舊版的示範|Lab-1\.4|seed-style|the seed's|seed's reading|\bseed 0\d\d\b|超越同儕|本課程對解答核心設下的目標")

@@ -1,12 +1,12 @@
 """The board's GPU check (H100 or H200): the ranking, and the solution's score beside the notebook's own measurement.
 
-    python tests/board_gpu.py 08_decode_attention build/board-gpu smoke     # a minute: the GPU steps at tiny shapes
-    python tests/board_gpu.py 08_decode_attention build/board-gpu board     # the board over GPU_STUDENTS
-    python tests/board_gpu.py 08_decode_attention build/board-gpu compare   # the notebook's measurement, then ratios
+    python tests/gpu/board_gpu.py 08_decode_attention build/board-gpu smoke     # a minute: the GPU steps at tiny shapes
+    python tests/gpu/board_gpu.py 08_decode_attention build/board-gpu board     # the board over GPU_STUDENTS
+    python tests/gpu/board_gpu.py 08_decode_attention build/board-gpu compare   # the notebook's measurement, then ratios
 
 ``smoke``: in this process, the solution's check and timing steps with tiny timed shapes (a bug in the GPU-only
 code shows in a minute, not after the whole board).
-``board``: synthetic submissions (tests/board_fixture.py: the solution ``ok``, a weaker right one, and what must
+``board``: synthetic submissions (tests/support/board_fixture.py: the solution ``ok``, a weaker right one, and what must
 be ``wrong`` or ``flagged``; a 4th argument picks some, e.g. ``ok,noskip``) into OUT/<assignment>/submitted, then
 ``python -m labkit board`` over them (seed 7): it prints the ranked board and writes board.csv, board.html and
 timings.json.
@@ -15,7 +15,7 @@ timings.json.
 sweep, forward and forward+backward at d = 128, in ms: the ratio is the notebook's time over the board's); per shape, the board's number for ``ok`` over the
 notebook's; the issue asks them to agree within 5%.
 
-09: ``python tests/board_gpu.py 09_flex_attention build/board-gpu smoke|board|compare`` (students ok, dense (no
+09: ``python tests/gpu/board_gpu.py 09_flex_attention build/board-gpu smoke|board|compare`` (students ok, dense (no
 block skipped: slower), wrong, flagged).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tests for the speed-of-light board (``labkit.board.rank``, ``boardrun``, ``boardshapes``, ``boardreport``).
 
 The boards run on a CPU through Triton's interpreter (correctness only): synthetic submissions made from the
-solution notebooks (tests/board_fixture.py), one process per student; the 08, 06 and 09 boards run at once, each
+solution notebooks (tests/support/board_fixture.py), one process per student; the 08, 06 and 09 boards run at once, each
 student in its own process, so the student that sleeps past the limit costs the limit once.
 """
 from __future__ import annotations

@@ -12,17 +12,17 @@ nbgrader's layout, ``ROOT/<student>/<assignment>/<assignment>.ipynb``. Each vari
   (the forward tries one small tile, 32 x 16, instead of its tuned list), 09 ``dense``
   (the forward reads every key block as a partial one: the mask rule keeps it right, no block is skipped).
 
-GPU check: ``python tests/board_gpu.py`` (:data:`GPU_STUDENTS`: the solution, the weaker variant, and what
+GPU check: ``python tests/gpu/board_gpu.py`` (:data:`GPU_STUDENTS`: the solution, the weaker variant, and what
 must be flagged or wrong, as compiled kernels).
 
-Used in: tests/test_board.py.
+Used in: tests/labkit/board/test_board.py.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 VARIANTS = {
     "08_decode_attention": {

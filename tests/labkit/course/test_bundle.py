@@ -12,7 +12,7 @@ import pytest
 
 from labkit.course import bundle
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
