@@ -1,0 +1,1 @@
+"""Visible tests of 05_precision_analysis's exercises (its test cells call them)."""

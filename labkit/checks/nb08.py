@@ -1,0 +1,1 @@
+"""Visible tests of 08_decode_attention's exercises (its test cells call them)."""
