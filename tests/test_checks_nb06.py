@@ -6,6 +6,8 @@ compile checks) are left to tests/test_grader_strength.py, which runs the whole 
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from mutants import load
@@ -19,17 +21,23 @@ DEV = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def ns():
-    """One notebook namespace: the setup cells and every solution answer."""
-    runner = NotebookRunner()
-    for source in setup_cells(SPEC.ASSIGNMENT, SPEC.SETUP) + [e.answer for e in ITEMS.values()]:
-        runner.run(source)
-    runner.namespace["_runner"] = runner
-    return runner.namespace
+def runner():
+    """One notebook kernel's namespace: the setup cells, then every solution answer."""
+    kernel = NotebookRunner()
+    for source in [*setup_cells(SPEC.ASSIGNMENT, SPEC.SETUP), *(e.answer for e in ITEMS.values())]:
+        kernel.run(source)
+    return kernel
 
 
-def _mistake(gid: str, what: str) -> tuple[str, str]:
-    return next((old, new) for name, old, new in SPEC.MISTAKES[gid] if name == what)
+@contextlib.contextmanager
+def answered_with(kernel: NotebookRunner, gid: str, mistake: str):
+    """The exercise's answer replaced by the named mistake of tests/mutants/nb06.py, the solution's again after."""
+    old, new = next((old, new) for name, old, new in SPEC.MISTAKES[gid] if name == mistake)
+    kernel.run(ITEMS[gid].mutate(old, new))
+    try:
+        yield
+    finally:
+        kernel.run(ITEMS[gid].answer)
 
 
 # check -> (call on the namespace, grade_id, a mistake of tests/mutants/nb06.py, words of the message naming its rule)
@@ -55,17 +63,11 @@ CHECKS = {
 
 
 @pytest.mark.parametrize("check", CHECKS)
-def test_check_passes_the_solution_and_names_the_rule_a_mistake_breaks(ns, check):
+def test_check_passes_the_solution_and_names_the_rule_a_mistake_breaks(runner, check):
     call, gid, mistake, words = CHECKS[check]
-    call(ns)
-    exercise, (old, new) = ITEMS[gid], _mistake(gid, mistake)
-    try:
-        ns["_runner"].run(exercise.mutate(old, new))
-        with pytest.raises(AssertionError) as failed:
-            call(ns)
-    finally:
-        ns["_runner"].run(exercise.answer)
-    assert words in str(failed.value), str(failed.value)
+    call(runner.namespace)
+    with answered_with(runner, gid, mistake), pytest.raises(AssertionError, match=words):
+        call(runner.namespace)
 
 
 def test_window_mask_and_reference_follow_the_conventions():

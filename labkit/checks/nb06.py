@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 
 from labkit import attention, grading, tritonbounds, tritoncompile, tritonmode
 
@@ -21,6 +22,25 @@ HINT_SOFTMAX_IR = ("讀進來就 .to(tl.float32)，之後的 tl.max、x - m、tl
                    "y.to(y_ptr.dtype.element_ty) 轉成輸入的 dtype：不要把 m、x - m 或 e 轉成 bf16（.to(tl.bfloat16)、.to(x.dtype) 都一樣）。")
 HINT_COMPILE = ("\n若是編譯失敗，最常見的原因：核心或它呼叫的 @triton.jit 輔助函式讀了一般的 Python 全域變數（例如第一格的 LOG2E）："
                 "直接寫數字、改成 tl.constexpr(...) 全域常數，或當參數傳入（見工具箱）。")
+
+
+@triton.jit
+def _tile_range_probe(out_ptr, N_Q, N_K, RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr, PER_KEY_TILE: tl.constexpr):
+    tile = tl.program_id(0)
+    a, b = RANGE(tile * (BLOCK_N if PER_KEY_TILE else BLOCK_M), N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    tl.store(out_ptr + 2 * tile, a)
+    tl.store(out_ptr + 2 * tile + 1, b)
+
+
+def tile_ranges(range_fn, n: int, nk: int, bm: int, bn: int, causal: bool, device, per_key_tile: bool = False) -> list:
+    """[(a, b)] that the @triton.jit ``range_fn(start, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)`` returns for every query
+    tile (start = tile * bm; _key_range's (mid, hi)) or, per_key_tile, every key tile (_query_range's (lo, mid))."""
+    got = torch.full((triton.cdiv(nk if per_key_tile else n, bn if per_key_tile else bm), 2), -10**6, dtype=torch.int32,
+                     device=device)
+    _tile_range_probe[(got.shape[0],)](got, n, nk, RANGE=range_fn, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+                                       PER_KEY_TILE=per_key_tile)
+    return got.tolist()
 
 
 def attention64(q, k, v, causal):

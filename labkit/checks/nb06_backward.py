@@ -1,5 +1,5 @@
-"""Visible tests of 06_triton_flashattention's backward kernels (ex3): _query_range alone (through a probe kernel that
-takes it as a constexpr argument), padded rows neither read nor stored, dV, dK, dQ in stages against float64
+"""Visible tests of 06_triton_flashattention's backward kernels (ex3): _query_range alone (through a probe kernel
+that takes it as a constexpr argument), padded rows neither read nor stored, dV, dK, dQ in stages against float64
 autograd, precision (Triton IR, the 2x rule, D in fp32), the grids, tiles skipped and 64-bit head offsets.
 
 Used in: 06_triton_flashattention (test cells of ex3)
@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from labkit import attention, grading, tritonbounds, tritoncompile, tritonmode
 from labkit.checks import nb06
@@ -39,15 +38,6 @@ STAGES = [  # (what, leading dims, N, N_k, causal, the likely causes at this sta
 ]
 
 
-@triton.jit
-def _query_range_probe(out_ptr, N_Q, N_K, QUERY_RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr):
-    tile = tl.program_id(0)
-    lo, mid = QUERY_RANGE(tile * BLOCK_N, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    tl.store(out_ptr + 2 * tile, lo)
-    tl.store(out_ptr + 2 * tile + 1, mid)
-
-
 def _query_tiles(got: list, n: int, nk: int, bm: int, bn: int, causal: bool) -> list[dict]:
     """Per key tile: what (lo, mid) it got and the bounds its rules allow."""
     tiles = []
@@ -70,9 +60,7 @@ def query_range_rules(query_range, device, cases=QUERY_RANGE_CASES) -> None:
     align = ("右下對齊：查詢 i 看得見 j <= i + (N_K - N_Q)，所以 lo = max(start_n - (N_K - N_Q), 0) 向下取到 BLOCK_M 的倍數"
              "（不要 +1；核心裡的 // 向零取整：先 tl.maximum(x, 0) 再除）。")
     for n, nk, bm, bn, causal in cases:
-        got = torch.full((triton.cdiv(nk, bn), 2), -10**6, dtype=torch.int32, device=device)
-        _query_range_probe[(got.shape[0],)](got, n, nk, QUERY_RANGE=query_range, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal)
-        tiles = _query_tiles(got.tolist(), n, nk, bm, bn, causal)
+        tiles = _query_tiles(nb06.tile_ranges(query_range, n, nk, bm, bn, causal, device, per_key_tile=True), n, nk, bm, bn, causal)
         for t in tiles if not causal else ():
             grading.check_true((t["lo"], t["mid"]) == (0, 0), name=t["name"] + ": non-causal",
                                detail=f"得到 (lo, mid) = ({t['lo']}, {t['mid']})。",

@@ -40,24 +40,13 @@ STAGES = [  # (what, leading dims, N, N_k, causal, the likely causes at this sta
 ]
 
 
-@triton.jit
-def _key_range_probe(out_ptr, N_Q, N_K, KEY_RANGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr):
-    tile = tl.program_id(0)
-    mid, hi = KEY_RANGE(tile * BLOCK_M, N_Q, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    tl.store(out_ptr + 2 * tile, mid)
-    tl.store(out_ptr + 2 * tile + 1, hi)
-
-
 def key_range_rules(key_range, device, cases=KEY_RANGE_CASES) -> None:
     """(mid, hi) of key_range for every query tile of each (N, N_k, BLOCK_M, BLOCK_N, causal) against the rules of its
     docstring: first what makes the forward wrong (a mask left out, a needed tile dropped), then the work left undone."""
     for n, nk, bm, bn, causal in cases:
-        got = torch.full((triton.cdiv(n, bm), 2), -10**6, dtype=torch.int32, device=device)
-        _key_range_probe[(got.shape[0],)](got, n, nk, KEY_RANGE=key_range, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal)
         sees = (lambda i: min(nk, max(0, i + nk - n + 1))) if causal else (lambda i: nk)   # query i sees keys [0, sees(i))
         tiles = []
-        for tile, (mid, hi) in enumerate(got.tolist()):
+        for tile, (mid, hi) in enumerate(nb06.tile_ranges(key_range, n, nk, bm, bn, causal, device)):
             first, last = tile * bm, min(tile * bm + bm, n) - 1
             tiles.append(dict(mid=mid, hi=hi, last=last, seen=sees(last),
                               whole=sees(first) // bn * bn,           # keys in whole tiles every row of this tile sees
