@@ -103,7 +103,8 @@ def fp32_accumulator_within_2x(accumulate: Callable) -> None:
         grading.check_within_2x(accumulate(vals, torch.float32), vals.double().sum(), vals.sum(),
                                 name=f"fp32 累加器：{dtype} 的 values 累加成 FP32",
                                 rule="累加器（與補償 c）每一步都存成 acc_dtype，這裡是 FP32：低精度的 values 先轉成 FP32 再相加",
-                                hint="s = torch.zeros((), dtype=acc_dtype)，每一項 v.to(acc_dtype) 再相加；s += v 會把結果留在 s 原來的 dtype，"
+                                hint="s = torch.zeros((), "  # split: the answer's line itself stands in no labkit file
+                                     "dtype=acc_dtype)，每一項 v.to(acc_dtype) 再相加；s += v 會把結果留在 s 原來的 dtype，"
                                      "累加器若建成 values 的 dtype（bf16），部分和到 2 左右就停止成長。")
 
 
