@@ -136,7 +136,7 @@ def offsets_64bit(kernel, H: Helpers) -> None:
                                PREC="ieee"),
         (q, k, v, o, lse), pid_offset=(2**22, 0, 0), where="讀寫到別條序列或張量之外",
         name="_decode_kernel：位址以 64 位元計算（第 2^22 條序列起，b·N·H_kv·d 超過 2^31）",
-        hint="b = tl.program_id(0).to(tl.int64)：b 一開始就是 int64，b * N * H_KV * HEAD_DIM 才以 64 位元相乘"
+        hint="b 取 tl.program_id(0).to(tl.int64)：b 一開始就是 int64，b * N * H_KV * HEAD_DIM 才以 64 位元相乘"
              "（先以 int32 乘完再 .to(tl.int64) 已經太遲）。")
 
 

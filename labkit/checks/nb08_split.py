@@ -135,7 +135,7 @@ def offsets_64bit(kernel, H: Helpers) -> None:
                                   BLOCK_G=16, BLOCK_N=H.block_n, PREC="ieee"),
         (q, k, v, lens, o_part, lse_part), where="讀到別條序列或張量之外",
         name="_split_kernel：位址以 64 位元計算（容量 N = 2^26，b·N·H_kv·d 超過 2^31）",
-        hint="和練習 2 一樣：b = tl.program_id(0).to(tl.int64)，b * N * H_KV * HEAD_DIM 才以 64 位元相乘。")
+        hint="和練習 2 一樣：b 取 tl.program_id(0).to(tl.int64)，b * N * H_KV * HEAD_DIM 才以 64 位元相乘。")
 
 
 def precision(split_kv_partials: Callable, H: Helpers) -> None:
