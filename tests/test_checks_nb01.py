@@ -88,7 +88,7 @@ def solution():
 def test_every_check_of_the_modules_is_tested():
     public = {f for m in ANSWER for name, f in vars(m).items() if callable(f) and not name.startswith("_")
               and getattr(f, "__module__", "") == m.__name__ and not isinstance(f, type)}
-    helpers = {nb01.causal_keep, nb01.plain_attention, nb01.reference_grads, nb01.plain_grads, nb01_softmax.within_2x,
+    helpers = {nb01.causal_keep, nb01.plain_attention, nb01.reference_grads, nb01.plain_grads, nb01.check_against_reference, nb01_softmax.within_2x,
                nb01_softmax.streamed, nb01_backward.d_term_in_fp32}
     assert public - helpers == set(CHECKS), sorted(f.__qualname__ for f in public ^ set(CHECKS) - helpers)
 

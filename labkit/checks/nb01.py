@@ -30,9 +30,28 @@ def plain_attention(q, k, v, keep):
         (o, lse): o [..., N, d], scores, softmax and P @ V in q's dtype; lse [..., N], the fp32 logsumexp of
         those scores (what the rule asks of a statistic).
     """
-    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5                    # [..., N, Nk] in q's dtype
-    s = s.masked_fill(~keep, float("-inf"))
+    s = ((q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5).masked_fill(~keep, float("-inf"))  # [..., N, Nk], q's dtype
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s.float(), dim=-1)
+
+
+def check_against_reference(o, lse, q, k, v, *, names, atol=1e-5, lse_atol=None, rtol=0.0, float64_reference=False,
+                            hint="", lse_hint="", **reference):
+    """An answer's o [..., N, d] and lse [..., N] match labkit's reference attention on (q, k, v, **reference).
+
+    Args:
+        names: (name of the o check, name of the lse check).
+        atol: for o and, unless ``lse_atol`` is given, lse; ``rtol`` applies to lse only.
+        float64_reference: the reference runs on the inputs upcast to float64.
+        reference: causal, mask, scale of lk.attention.reference_attention.
+
+    Returns:
+        (o_ref, lse_ref).
+    """
+    inputs = (t.double() for t in (q, k, v)) if float64_reference else (q, k, v)
+    o_ref, lse_ref = attention.reference_attention(*inputs, **reference)
+    grading.check_tensor(o, o_ref, name=names[0], atol=atol, hint=hint)
+    grading.check_tensor(lse, lse_ref, name=names[1], atol=atol if lse_atol is None else lse_atol, rtol=rtol, hint=lse_hint)
+    return o_ref, lse_ref
 
 
 def reference_grads(q, k, v, do, causal):

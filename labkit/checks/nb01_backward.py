@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from labkit import grading
-from labkit.checks.nb01 import causal_keep, plain_grads, reference_grads
+from labkit.checks import nb01
 
 GRADS = ("dq", "dk", "dv")
 ACCUMULATOR_RULE = "dQ、dK、dV 的累加器（以及重算的 P、dS）以 fp32 保存，bf16/fp16 輸入也一樣"
@@ -21,10 +21,10 @@ ACCUMULATOR_RULE = "dQ、dK、dV 的累加器（以及重算的 P、dS）以 fp3
 def _low_precision(flash_attention_backward, q, k, v, do, causal, blocks, o_dtype=torch.float32):
     """The answer's gradients on bf16/fp16 inputs with o (in ``o_dtype``) and fp32 lse from the float64 reference,
     the float64 autograd gradients and the plain baseline's: (grads, expected, baseline)."""
-    o64, lse64, expected = reference_grads(q.double(), k.double(), v.double(), do.double(), causal)
+    o64, lse64, expected = nb01.reference_grads(q.double(), k.double(), v.double(), do.double(), causal)
     grads = flash_attention_backward(q, k, v, o64.to(o_dtype), lse64.float(), do, is_causal=causal,
                                      block_m=blocks[0], block_n=blocks[1])
-    return grads, expected, plain_grads(q, k, v, do, causal_keep(q.shape[-2], k.shape[-2], causal))
+    return grads, expected, nb01.plain_grads(q, k, v, do, nb01.causal_keep(q.shape[-2], k.shape[-2], causal))
 
 
 def writes_its_own_code(flash_attention_backward) -> None:
@@ -39,7 +39,7 @@ def matches_autograd(flash_attention_backward) -> None:
     torch.manual_seed(7)
     q, k, v, do = (torch.randn(2, 3, 100, 16) for _ in range(4))
     for causal in (False, True):
-        o_ref, lse_ref, expected = reference_grads(q, k, v, do, causal)
+        o_ref, lse_ref, expected = nb01.reference_grads(q, k, v, do, causal)
         grads = flash_attention_backward(q, k, v, o_ref, lse_ref, do, is_causal=causal, block_m=32, block_n=16)
         for name, g, e in zip(GRADS, grads, expected):
             grading.check_tensor(g, e, name=f"flash_attention_backward: {name} (causal={causal})", atol=1e-4,
@@ -56,7 +56,7 @@ def causal_bottom_right(flash_attention_backward) -> None:
     for n, nk in ((24, 57), (57, 24)):
         q, k, v = torch.randn(2, n, 8, dtype=torch.float64), *(torch.randn(2, nk, 8, dtype=torch.float64) for _ in range(2))
         do = torch.randn(2, n, 8, dtype=torch.float64)
-        o_ref, lse_ref, expected = reference_grads(q, k, v, do, True)
+        o_ref, lse_ref, expected = nb01.reference_grads(q, k, v, do, True)
         grads = flash_attention_backward(q, k, v, o_ref, lse_ref, do, is_causal=True, block_m=16, block_n=16)
         for name, g, e in zip(GRADS, grads, expected):
             grading.check_true(g.dtype == torch.float64, name=f"flash_attention_backward: float64 {name} dtype",
@@ -70,7 +70,7 @@ def causal_bottom_right(flash_attention_backward) -> None:
                                  hint="右下對齊：區塊內遮罩 j > i + (Nk - N)，K 區塊 j0 從 query j0 - (Nk - N) 所在的 "
                                       "Q 區塊開始；float64 輸入以 float64 累加。")
     q, k, v, do = torch.randn(1, 2, 63, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 63, 16)
-    o_ref, lse_ref, expected = reference_grads(q, k, v, do, True)
+    o_ref, lse_ref, expected = nb01.reference_grads(q, k, v, do, True)
     grads = flash_attention_backward(q, k, v, o_ref, lse_ref, do, is_causal=True, block_m=16, block_n=16)
     for name, g, e in zip(GRADS, grads, expected):
         grading.check_tensor(g, e, name=f"flash_attention_backward: {name}, causal N=63, Nk=64, blocks 16 (skip bound)",
@@ -94,7 +94,7 @@ def skips_tiles_above_the_diagonal(flash_attention_backward) -> None:
     torch.manual_seed(27)
     for n, nk, block, first, name, hint in SKIP_CASES:
         q, k, v, do = torch.randn(1, 2, n, 8), torch.randn(1, 2, nk, 8), torch.randn(1, 2, nk, 8), torch.randn(1, 2, n, 8)
-        o_ref, lse_ref, expected = reference_grads(q, k, v, do, True)
+        o_ref, lse_ref, expected = nb01.reference_grads(q, k, v, do, True)
         do_nan = do.clone()
         do_nan[..., :32, :] = float("nan")
         _, dk, dv = flash_attention_backward(q, k, v, o_ref, lse_ref, do_nan, is_causal=True, block_m=block, block_n=block)
@@ -116,7 +116,7 @@ def accumulates_in_fp32(flash_attention_backward) -> None:
         for name, g, e, b in zip(GRADS, grads, expected, baseline):
             grading.check_within_2x(g, e, b, name=f"flash_attention_backward: {dtype} {name}, N={n}, Nk={nk}, blocks 4 (2x rule)",
                                     rule=ACCUMULATOR_RULE,
-                                    hint="acc = torch.promote_types(q.dtype, torch.float32)：dq、dk、dv 用 acc 建立、每個區塊先 .to(acc)，"
+                                    hint="acc 用 torch.promote_types(q.dtype, torch.float32)：dq、dk、dv 用 acc 建立、每個區塊先 .to(acc)，"
                                          "全部累加完才轉回輸入的 dtype；在 bf16 的 dq 上 += 每一次都會捨入。")
 
 

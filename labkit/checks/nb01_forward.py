@@ -12,24 +12,20 @@ from __future__ import annotations
 import torch
 
 from labkit import attention, grading
-from labkit.checks.nb01 import causal_keep, plain_attention
+from labkit.checks import nb01
 
 ACCUMULATOR_RULE = "累加器 m、l 與輸出累加器 O 跨區塊都以 fp32 保存，bf16/fp16 輸入也一樣"
 
 
-def _compare(flash_attention_forward, q, k, v, *, causal, blocks, label, atol=1e-5, lse_atol=None, rtol=0.0,
-             float64_reference=False, hint="", lse_hint=""):
-    """Run the answer (``blocks`` = (block_m, block_n)) and the reference; check o and lse named by ``label``.
+def _compare(flash_attention_forward, q, k, v, *, causal, blocks, label, **check):
+    """Run the answer with ``blocks`` = (block_m, block_n) and check o and lse against the reference, named by
+    ``label`` (o's, lse's); ``check``: tolerances and hints of nb01.check_against_reference.
 
-    ``lse_atol`` defaults to ``atol``; ``rtol`` applies to lse only. Returns (o, lse, o_ref, lse_ref).
+    Returns (o, lse, o_ref, lse_ref).
     """
     o, lse = flash_attention_forward(q, k, v, is_causal=causal, block_m=blocks[0], block_n=blocks[1])
-    ref_inputs = (t.double() for t in (q, k, v)) if float64_reference else (q, k, v)
-    o_ref, lse_ref = attention.reference_attention(*ref_inputs, causal=causal)
-    grading.check_tensor(o, o_ref, name=f"flash_attention_forward: {label[0]}", atol=atol, hint=hint)
-    grading.check_tensor(lse, lse_ref, name=f"flash_attention_forward: {label[1]}", atol=atol if lse_atol is None else lse_atol,
-                         rtol=rtol, hint=lse_hint)
-    return o, lse, o_ref, lse_ref
+    return (o, lse, *nb01.check_against_reference(o, lse, q, k, v, names=tuple(f"flash_attention_forward: {x}" for x in label),
+                                             causal=causal, **check))
 
 
 def writes_its_own_code(flash_attention_forward) -> None:
@@ -153,8 +149,8 @@ def accumulators_in_fp32(flash_attention_forward) -> None:
                            detail=f"{dtype} 輸入時 o 應為 {dtype}、lse 應為 fp32，卻得到 {o.dtype} 與 {lse.dtype}。",
                            hint="m、l、O 的累加器用 fp32：torch.promote_types(q.dtype, torch.float32)。")
         o_ref, lse_ref = attention.reference_attention(q.double(), k.double(), v.double(), causal=causal)
-        o_base, lse_base = plain_attention(q, k, v, causal_keep(n, nk, causal))
-        hint = ("acc = torch.promote_types(q.dtype, torch.float32)：每個區塊先 .to(acc)，m、l、O 用 acc 建立、"
+        o_base, lse_base = nb01.plain_attention(q, k, v, nb01.causal_keep(n, nk, causal))
+        hint = ("acc 用 torch.promote_types(q.dtype, torch.float32)：每個區塊先 .to(acc)，m、l、O 用 acc 建立、"
                 "跨區塊一直留在 acc（不要每個區塊轉回 q.dtype）；只有最後寫入 o 時才轉回 q.dtype。")
         grading.check_within_2x(lse, lse_ref, lse_base, rule=ACCUMULATOR_RULE, hint=hint,
                                 name=f"flash_attention_forward: {dtype} lse, N={n}, Nk={nk}, block_n=8 (2x rule)")

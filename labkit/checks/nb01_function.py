@@ -46,13 +46,13 @@ def matches_autograd_and_saves_lse(FlashAttention2) -> None:
         grading.check_true(len(lse_like) == 1, name="FlashAttention2: saved log-sum-exp",
                            detail=f"save_for_backward 應恰好存一個形狀 {tuple(q.shape[:-1])} 的 lse，"
                                   f"實際存了：{[tuple(t.shape) for t in saved]}。",
-                           hint="ctx.save_for_backward(q, k, v, o, lse)；不要另外存 m 與 l。")
+                           hint="ctx.save_for_backward 存 q、k、v、o、lse；不要另外存 m 與 l。")
         grading.check_tensor(lse_like[0], lse_ref, name="FlashAttention2: saved lse values", atol=1e-5)
         grading.check_true(len(saved) == 5 and any(t.shape == o.shape and torch.equal(t, o.detach()) for t in saved),
                            name="FlashAttention2: saves q, k, v, o and lse",
                            detail=f"save_for_backward 應恰好存 5 個張量（q、k、v、o、lse），實際存了 {len(saved)} 個："
                                   f"{[tuple(t.shape) for t in saved]}。",
-                           hint="ctx.save_for_backward(q, k, v, o, lse)：o 要存下來給反向的 D = rowsum(dO * O)，不要在 backward 重算前向；"
+                           hint="ctx.save_for_backward 存 q、k、v、o、lse：o 要存下來給反向的 D = rowsum(dO * O)，不要在 backward 重算前向；"
                                 "is_causal 不是張量，存成 ctx.is_causal。")
         grads, expected = torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(o_ref, (q, k, v), do)
         for name, g, e in zip(GRADS, grads, expected):

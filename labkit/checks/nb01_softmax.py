@@ -86,7 +86,7 @@ def statistics_in_fp32(online_softmax) -> None:
                            detail=f"{dtype} 輸入時結果應為 {dtype}，卻是 {y.dtype}。", hint="以 fp32 計算，寫回時轉回 x.dtype。")
         within_2x(online_softmax, x, block_size, name=f"online_softmax: {dtype}, N={shape[-1]}, block_size={block_size} (2x rule)",
                   rule="執行中的最大值 m 與總和 l 以 fp32 保存，bf16/fp16 輸入也一樣",
-                  hint="acc = torch.promote_types(x.dtype, torch.float32)：m、l 用 acc 建立，每個區塊先 .to(acc) "
+                  hint="acc 用 torch.promote_types(x.dtype, torch.float32)：m、l 用 acc 建立，每個區塊先 .to(acc) "
                        "再算；只有最後寫回輸出時才轉回 x.dtype。")
     within_2x(online_softmax, (100 + 2 * torch.randn(4, 40)).to(torch.bfloat16), 16,
               name="online_softmax: bf16 values near 100 (2x rule)",

@@ -13,26 +13,21 @@ import math
 import torch
 
 from labkit import attention, grading
-from labkit.checks.nb01 import causal_keep, plain_attention
+from labkit.checks import nb01
 
 NAME = "standard_attention"
 STATISTICS_RULE = "softmax 的統計量（每列最大值 m、總和 l、lse）以 fp32 計算，bf16/fp16 輸入也一樣"
 
 
-def _compare(standard_attention, q, k, v, *, label, atol=1e-5, lse_atol=None, rtol=0.0, float64_reference=False,
-             hint="", lse_hint="", **kwargs):
-    """Run the answer and the reference on (q, k, v, **kwargs); check o and lse, named by ``label``.
+def _compare(standard_attention, q, k, v, *, label, is_causal=False, mask=None, scale=None, **check):
+    """Run the answer on (q, k, v, mask, is_causal, scale) and check o and lse against the reference, named by
+    ``label`` (o's, lse's); ``check``: tolerances and hints of nb01.check_against_reference.
 
-    ``lse_atol`` defaults to ``atol``; ``rtol`` applies to lse only. Returns (o, lse, o_ref, lse_ref).
+    Returns (o, lse, o_ref, lse_ref).
     """
-    o, lse = standard_attention(q, k, v, **kwargs)
-    ref_inputs = (t.double() for t in (q, k, v)) if float64_reference else (q, k, v)
-    o_ref, lse_ref = attention.reference_attention(*ref_inputs, causal=kwargs.get("is_causal", False),
-                                                   mask=kwargs.get("mask"), scale=kwargs.get("scale"))
-    grading.check_tensor(o, o_ref, name=f"{NAME}: {label[0]}", atol=atol, hint=hint)
-    grading.check_tensor(lse, lse_ref, name=f"{NAME}: {label[1]}", atol=atol if lse_atol is None else lse_atol,
-                         rtol=rtol, hint=lse_hint)
-    return o, lse, o_ref, lse_ref
+    o, lse = standard_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
+    return (o, lse, *nb01.check_against_reference(o, lse, q, k, v, names=tuple(f"{NAME}: {x}" for x in label),
+                                             causal=is_causal, mask=mask, scale=scale, **check))
 
 
 def writes_its_own_softmax(standard_attention) -> None:
@@ -114,7 +109,7 @@ def subtracts_row_max(standard_attention) -> None:
     k_big = torch.eye(4)[torch.arange(12) % 4].expand(2, 12, 4)
     _compare(standard_attention, q_big, k_big, torch.randn(2, 12, 4), scale=1.0, float64_reference=True, rtol=1e-6,
              label=("scores near 1e4", "lse, scores near 1e4"),
-             hint="每一列先減去該列自己的最大值 m = s.amax(dim=-1, keepdim=True) 再取 exp（不是整個張量的最大值）。")
+             hint="每一列先減去該列自己的最大值 m（s.amax(dim=-1, keepdim=True)）再取 exp（不是整個張量的最大值）。")
 
 
 def float64_in_float64(standard_attention) -> None:
@@ -158,7 +153,7 @@ def low_precision_statistics_in_fp32(standard_attention) -> None:
                            detail=f"{dtype} 輸入時 o 應為 {dtype}、lse 應為 fp32，卻得到 {o.dtype} 與 {lse.dtype}。",
                            hint="softmax 與 LSE 至少用 fp32 計算：torch.promote_types(q.dtype, torch.float32)。")
         o_ref, lse_ref = attention.reference_attention(q.double(), k.double(), v.double(), causal=causal)
-        o_base, lse_base = plain_attention(q, k, v, causal_keep(shape[-2], nk, causal))
+        o_base, lse_base = nb01.plain_attention(q, k, v, nb01.causal_keep(shape[-2], nk, causal))
         grading.check_within_2x(lse, lse_ref, lse_base, name=f"standard_attention: {dtype} lse (2x rule)", rule=STATISTICS_RULE,
                                 hint="先把 q、k、v 轉成 fp32（torch.promote_types(q.dtype, torch.float32)）再算分數、最大值、"
                                      "exp 與加總；在 bf16 裡算完再 .float() 只是把已經捨入的值換個型別。")
