@@ -14,7 +14,7 @@ import torch
 
 from labkit import flexlib, grading, tritonbounds, tritoncompile, tritonmode
 from labkit.checks.nb09 import attention64, table
-from labkit.checks.nb09_forward import DOCS, LOG2E, documents
+from labkit.checks.nb09_forward import DOCS, HEAD_ID_64, LOG2E, documents
 
 KERNELS = ("_sparse_bwd_dkdv_kernel", "_sparse_bwd_dq_kernel", "_sparse_bwd_kernel")   # launched apart or in one
 PREC_HINT = "和練習 5 一樣：fp32 用 \"ieee\"，bf16／fp16 用 \"tf32\"。"
@@ -102,7 +102,7 @@ def backward_head_offsets_64bit(dkdv_kernel, dq_kernel, preprocess_kernel, launc
             preprocess_kernel[(2, 1)](qo, doo, lse2o, deltao, lse2o, 20, HEAD_DIM=16, BLOCK_M=16)
     grading.check_true(seen["overflows"] == 0, name="練習 7：64 位元的 head 偏移量（兩個核心與前處理核心，bh 從 2^27 起、N = 20、d = 16）",
                        detail=f"head 編號 2^27 起（bh * N 與 bh * N * d 都超過 2^31：lse、D 的偏移也是），核心裡有 {seen['overflows']} 個 int32 加減乘的結果溢位。",
-                       hint="每個核心（前處理核心也是）都要 bh = tl.program_id(1).to(tl.int64)，和練習 5 一樣；32 位元在 GPU 上會悄悄繞回，讀寫到別的 head。")
+                       hint=f"每個核心（前處理核心也是）都要 {HEAD_ID_64}，和練習 5 一樣；32 位元在 GPU 上會悄悄繞回，讀寫到別的 head。")
 
 
 def backward_reads_listed_blocks(sparse_attention_backward, sliding_window) -> None:

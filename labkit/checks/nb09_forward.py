@@ -15,6 +15,7 @@ from labkit import flexlib, grading, tritonbounds, tritoncompile, tritonmode
 from labkit.checks.nb09 import attention64, table
 
 LOG2E = 1.4426950408889634
+HEAD_ID_64 = "bh = tl.program_id(1)" ".to(tl.int64)"   # the hints' words, not one line of source a student could copy
 DOCS = (30, 7, 41, 22)   # document lengths of the visible document-mask runs (N = 100)
 RULE_BF16 = "累加器 acc 與統計量 m、l 以 fp32 保存（tl.zeros(..., tl.float32)），p 只在 tl.dot 前轉成 v 的 dtype"
 
@@ -148,7 +149,7 @@ def forward_head_offsets_64bit(fwd_kernel, causal) -> None:
                            HEAD_DIM=16, MASK=3, HAS_SINK=True, PREC="ieee", BLOCK_M=16, BLOCK_N=16)
     grading.check_true(seen["overflows"] == 0, name="練習 5：64 位元的 head 偏移量（bh 從 2^27 起、N = 20、d = 16）",
                        detail=f"head 編號 2^27 起（bh * N 與 bh * N * d 都超過 2^31），核心裡有 {seen['overflows']} 個 int32 加減乘的結果溢位。",
-                       hint="bh = tl.program_id(1).to(tl.int64)：之後 bh * N_Q * HEAD_DIM、bh * N_K * HEAD_DIM、bh * N_Q 都是 64 位元；"
+                       hint=f"{HEAD_ID_64}：之後 bh * N_Q * HEAD_DIM、bh * N_K * HEAD_DIM、bh * N_Q 都是 64 位元；"
                             "32 位元在 GPU 上會悄悄繞回，讀寫到別的 head。")
 
 
