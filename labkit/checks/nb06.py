@@ -154,7 +154,7 @@ def compiles_without_tf32(run: Callable[[], object], *, name: str, hint: str) ->
     tritoncompile.check_no_tf32(reports, name=f"{name}（fp32 輸入）", hint=hint)
 
 
-def function_matches_autograd(function, device) -> None:
+def function_matches_autograd(function, device, saved_hint: str = "") -> None:
     """function.apply(q, k, v, causal), q, k, v [2, 3, 100, 16] fp32, causal and not: forward returns o only, Triton
     kernels run forward and backward, o (atol 1e-5), the one saved lse [2, 3, 100] and the gradients (atol 1e-4) match
     autograd through labkit's reference."""
@@ -177,7 +177,7 @@ def function_matches_autograd(function, device) -> None:
         grading.check_true(len(lse_like) == 1, name="TritonFlashAttention: saved log-sum-exp",
                            detail=f"save_for_backward 應恰好存一個形狀 {tuple(q.shape[:-1])} 的 lse，"
                                   f"實際存了：{[tuple(t.shape) for t in saved]}。",
-                           hint="ctx.save_for_backward(q, k, v, o, lse)。")
+                           hint=saved_hint)
         grading.check_tensor(lse_like[0], lse_ref, name="TritonFlashAttention: saved lse values", atol=1e-5)
         expected = torch.autograd.grad(o_ref, (q, k, v), do)
         for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
@@ -207,7 +207,7 @@ def function_layouts_and_bf16(function, device) -> None:
                        detail=f"梯度 {[g.dtype for g in gb]}。")
 
 
-def function_within_2x(function, device) -> None:
+def function_within_2x(function, device, saved_hint: str = "") -> None:
     """bf16 and fp16 inputs [1, 2, 70, 32], causal: one fp32 lse saved; o and the gradients vs float64 at most 2x
     plain attention's error in that dtype (gradients: plus the rounding of the exact gradient to that dtype)."""
     rule = "log-sum-exp 以 fp32 存下（save_for_backward 存 flash_attention_forward 回傳的 fp32 lse，不轉型）"
@@ -220,8 +220,7 @@ def function_within_2x(function, device) -> None:
         grading.check_true(len(saved) == 1 and saved[0].dtype == torch.float32,
                            name=f"TritonFlashAttention: {str(dtype)[6:]} inputs save an fp32 lse",
                            detail=f"存下的 lse：{[t.dtype for t in saved]}；應為一個 fp32 的 [..., N]。違反的精度規則：{rule}。",
-                           hint="ctx.save_for_backward(q, k, v, o, lse)：lse 保持 fp32，不要 .to(q.dtype)（bf16 的 lse 只有 8 位元尾數，"
-                                "反向重算 P = exp(S - lse) 時每個 P 都帶著這個誤差）。")
+                           hint=saved_hint)
         q64, k64, v64 = (t.detach().double().requires_grad_() for t in (ql, kl, vl))
         o64 = attention.reference_attention(q64, k64, v64, causal=True)[0]
         qp, kp, vp = (t.detach().clone().requires_grad_() for t in (ql, kl, vl))

@@ -235,7 +235,7 @@ def backward_precision(backward, preprocess, device) -> None:
                                                             "（或 _dkdv_stage 回傳時）把它們轉成輸入的 dtype：每塊捨入一次，誤差隨區塊數累積。")
 
 
-def backward_grids_and_reads(backward, kernels: tuple, device) -> None:
+def backward_grids_and_reads(backward, kernels: tuple, device, offsets_hint: str = "") -> None:
     """The grids follow the tuned tiles (one backward, N = 40, with both kernels' configs swapped for 16 x 16); in the
     interpreter: both kernels skip causal tiles at N = 256 (<= 72% of the non-causal loads) and the three kernels use
     64-bit head offsets (launched by hand with the head's program id past 2^23). kernels: (preprocess, dkdv, dq)."""
@@ -266,7 +266,7 @@ def backward_grids_and_reads(backward, kernels: tuple, device) -> None:
                                 (q, k, v, o, do, lse, delta, lse2, dq, dk, dv),
                                 name=f"{kernel}: 64-bit head offsets (bh past 2^23, N = 20, d = 16)",
                                 detail=f"head 編號 2^23 起（bh * N * d 超過 2^31），{kernel} 裡有 {{overflows}} 個 int32 加減乘的結果溢位。",
-                                hint="每個核心都先 bh = tl.program_id(1).to(tl.int64)，再算 bh * N_Q * HEAD_DIM 等偏移量（同練習 2）。")
+                                hint=offsets_hint)
 
 
 def backward_skips_causal_tiles(backward, device, *, n: int, d: int, name: str, detail: str, hint: str = "",

@@ -242,7 +242,7 @@ def forward_precision(forward, device) -> None:
         grading.check_tensor(lse.double(), lse_ref, name=name + ": lse", atol=1e-3, hint=hint)
 
 
-def forward_grid_and_reads(forward, fwd_kernel, device) -> None:
+def forward_grid_and_reads(forward, fwd_kernel, device, offsets_hint: str = "") -> None:
     """The grid follows the tuned BLOCK_M (one forward, N = 40, with fwd_kernel's only config swapped for 16 x 16); in
     the interpreter: causal tiles skipped at N = 256 (<= 85% of the non-causal loads), the padded query rows of
     N = 40 not read, and 64-bit head offsets (fwd_kernel launched by hand with the head's program id past 2^23)."""
@@ -279,8 +279,7 @@ def forward_grid_and_reads(forward, fwd_kernel, device) -> None:
                                                                                HEAD_DIM=16, CAUSAL=True, PREC="ieee"),
         (q, k, v, o, lse), name="_fwd_kernel: 64-bit head offsets (bh past 2^23, N = 20, d = 16)",
         detail="head 編號 2^23 起（bh * N * d 超過 2^31），核心裡有 {overflows} 個 int32 加減乘的結果溢位。",
-        hint="bh = tl.program_id(1).to(tl.int64)：之後 bh * N_Q * HEAD_DIM、bh * N_K * HEAD_DIM、bh * N_Q 都是 64 位元"
-             "（和 Triton 教學一樣）；32 位元在 GPU 上會悄悄繞回，讀寫到別的 head。")
+        hint=offsets_hint)
 
 
 def forward_own_code_compiles(forward, device) -> None:

@@ -81,7 +81,7 @@ def gqa_window_values(gqa, device) -> None:
         grading.check_tensor(lse.double(), lse_ref, name=name + ": lse", atol=1e-5)
 
 
-def gqa_window_precision(gqa, kernel, device) -> None:
+def gqa_window_precision(gqa, kernel, device, offsets_hint: str = "") -> None:
     """fp32 scores near -250 (GQA, causal window 20: o and lse, atol 1e-3); 64-bit head offsets (kernel launched by
     hand with the query head's program id past 2^24, interpreter); fp32 inputs launch with PREC="ieee"; bf16 and fp16
     inputs (Hq = 4, Hkv = 2, causal window 16, N = 70, N_k = 90, d = 32): o in q's dtype, lse fp32, both by the 2x rule."""
@@ -103,8 +103,7 @@ def gqa_window_precision(gqa, kernel, device) -> None:
                                PREC="ieee", BLOCK_M=32, BLOCK_N=16), (qs, ks, vs, os_, lses), pid=2**24,
         name="_fwd_gqa_window_kernel: 64-bit head offsets (bh past 2^24)",
         detail="查詢 head 編號 2^24 起（bh * N * d 與 kv * N_k * d 都超過 2^31），核心裡有 {overflows} 個 int32 加減乘的結果溢位。",
-        hint="bh = tl.program_id(1).to(tl.int64)，K/V head kv = bh // GROUP 也就是 64 位元；偏移量 bh * N_Q * HEAD_DIM、"
-             "kv * N_K * HEAD_DIM 都要 64 位元（同練習 2）。")
+        hint=offsets_hint)
     q, k, v = (torch.randn(1, 2, 20, 16, device=device) for _ in range(3))
     with tritoncompile.recorded() as launches:
         gqa(q, k[:, :1].contiguous(), v[:, :1].contiguous(), is_causal=True, window=4)
@@ -140,7 +139,7 @@ def window_loads(n, nk, bm, bn, causal, window, d):
     return lanes
 
 
-def window_tiles_read(kernel, device) -> None:
+def window_tiles_read(kernel, device, range_hint: str = "") -> None:
     """In the interpreter: kernel launched by hand (BLOCK_M = 32, BLOCK_N = 16, d = 16, one head) reads only the key
     tiles inside the window (three shapes, lanes counted), and at N = 40 the last query tile's padded rows are not read."""
     if tritonmode.current() != "interpreter":
@@ -156,9 +155,7 @@ def window_tiles_read(kernel, device) -> None:
                            name=f"_fwd_gqa_window_kernel (N={n}, N_k={nk}, causal={causal}, window={window}): "
                                 "only the key tiles inside the window read",
                            detail=f"讀取了 {count['lanes']} 個位置（含遮罩掉的）；只讀視窗內的 K/V 區塊時是 {need} 個。",
-                           hint="鍵的範圍：lo = max(start_m + shift - WINDOW, 0) 向下對齊到 BLOCK_N，"
-                                "hi = min(start_m + BLOCK_M + shift + right, N_K)，right = 0 if CAUSAL else WINDOW"
-                                "（因果時右端不加 WINDOW：查詢看不到自己之後的鍵）；迴圈只走 [lo, hi)。")
+                           hint=range_hint)
     n, nk, window = 40, 56, 12   # N = 40 (not a multiple of BLOCK_M = 32): padded query rows neither read nor written
     qs, ks, vs = (torch.randn(1, length, 16, device=device) for length in (n, nk, nk))
     with tritonmode.loaded_elements() as count:
