@@ -98,10 +98,10 @@ def fp32_accumulator_within_2x(accumulate: Callable) -> None:
     """2,000 bf16 and fp16 values in [0, 0.01) into an fp32 accumulator: within 2x of torch.sum's error (fp32 inside,
     its result rounded to the input dtype) against the float64 sum."""
     g1 = torch.Generator().manual_seed(1)
-    for dtype in (torch.bfloat16, torch.float16):
-        vals = (torch.rand(2000, generator=g1) * 1e-2).to(dtype)
+    for low in (torch.bfloat16, torch.float16):
+        vals = (torch.rand(2000, generator=g1) * 1e-2).to(low)
         grading.check_within_2x(accumulate(vals, torch.float32), vals.double().sum(), vals.sum(),
-                                name=f"fp32 累加器：{dtype} 的 values 累加成 FP32",
+                                name=f"fp32 累加器：{low} 的 values 累加成 FP32",
                                 rule="累加器（與補償 c）每一步都存成 acc_dtype，這裡是 FP32：低精度的 values 先轉成 FP32 再相加",
                                 hint="s = torch.zeros((), "  # split: the answer's line itself stands in no labkit file
                                      "dtype=acc_dtype)，每一項 v.to(acc_dtype) 再相加；s += v 會把結果留在 s 原來的 dtype，"
@@ -139,15 +139,15 @@ def report_computes_in_float64(error_report: Callable) -> None:
                          hint="fp16 的範數超過 65504 會溢位成 inf；兩個輸入都先 .double() 再算。")
     # fp16 and bf16 candidates vs an fp32 reference
     for dtype in (torch.float16, torch.bfloat16):
-        r = torch.randn(64, 300, generator=g) * 500
-        c = (r + 2 * torch.randn(64, 300, generator=g)).to(dtype)
-        rep = error_report(c, r)
-        cn, rn = c.double().numpy().ravel(), r.numpy().astype(np.float64).ravel()
+        ref = torch.randn(64, 300, generator=g) * 500
+        cand = (ref + 2 * torch.randn(64, 300, generator=g)).to(dtype)
+        rep = error_report(cand, ref)
+        cn, rn = cand.double().numpy().ravel(), ref.numpy().astype(np.float64).ravel()
         expected = {"max_abs": np.abs(cn - rn).max(), "mean_abs": np.abs(cn - rn).mean(),
                     "rel_l2": np.linalg.norm(cn - rn) / np.linalg.norm(rn),
                     "cosine": np.dot(cn, rn) / (np.linalg.norm(cn) * np.linalg.norm(rn))}
-        for key, value in expected.items():
-            grading.check_scalar(rep[key], float(value), rel=1e-6,
+        for key, want in expected.items():
+            grading.check_scalar(rep[key], float(want), rel=1e-6,
                                  name=f"先都轉成 float64 再算：error_report[{key!r}]（{str(dtype)[6:]} 對 fp32，形狀 [64, 300]）",
                                  hint="兩個輸入都先 .double()，並攤平成一維（輸入可以是任何形狀）；fp16 的範數超過 65504 會溢位成 inf，"
                                       "bf16 只有 8 位有效位元，在 bf16 裡算的範數與內積會失去 rel_l2、cosine 要量的那幾位。")
@@ -158,11 +158,11 @@ def report_computes_in_float64(error_report: Callable) -> None:
                          hint="c = candidate.double()、r = reference.double()：不要先把候選轉成參考的 dtype（fp16 裡 1.0001 捨入成 1，誤差就不見了）。")
     # two bf16 inputs that are far apart (not within a factor 2): c - r taken in bf16 rounds to 8 significant bits
     g2 = torch.Generator().manual_seed(12)
-    r = torch.randn(32, 50, generator=g2).bfloat16()
-    c = (r.float() + 0.7 * torch.randn(32, 50, generator=g2)).bfloat16()
-    rep = error_report(c, r)
-    d = c.double().flatten() - r.double().flatten()
-    for key, value in (("max_abs", d.abs().max()), ("mean_abs", d.abs().mean()), ("rel_l2", d.norm() / r.double().norm())):
+    rb = torch.randn(32, 50, generator=g2).bfloat16()
+    cb = (rb.float() + 0.7 * torch.randn(32, 50, generator=g2)).bfloat16()
+    rep = error_report(cb, rb)
+    d = cb.double().flatten() - rb.double().flatten()
+    for key, value in (("max_abs", d.abs().max()), ("mean_abs", d.abs().mean()), ("rel_l2", d.norm() / rb.double().norm())):
         grading.check_scalar(rep[key], float(value), rel=1e-6, name=f"差也在 float64 算：error_report[{key!r}]（兩個 bf16 輸入）",
                              hint="兩個輸入都先 .double() 再相減：(candidate - reference) 在 bf16 裡算，差會被捨入成 8 位有效位元"
                                   "（兩者相差不到 2 倍時才剛好精確，所以接近的輸入看不出來）。")

@@ -21,6 +21,7 @@ WHY = {"linear": "矩陣乘法在 amp_dtype 上走張量核心（核心內部以
        "loss": "loss 在 FP32 計算（7.5）。", "residual_stream": "訓練時殘差流留在 FP32，小更新才不會被捨入掉（7.6）。",
        "weights": "訓練時主權重留在 FP32：半精度權重會把小更新捨入掉（第 2 節）。",
        "optimizer_state": "AdamW 的動量與二階動量留在 FP32（第 2 節）。"}
+EITHER_AT_INFERENCE = ("weights", "residual_stream")  # fp32 or amp_dtype both right at inference
 
 
 def _answers(policy: Callable, op: str, amp: torch.dtype, training: bool, allowed: tuple, *, name: str, hint: str,
@@ -57,13 +58,13 @@ def inference_dtypes(policy: Callable) -> None:
         _answers(policy, op, BF16, False, (BF16,), name=f"推論時 precision_policy({op!r}, bf16) 仍是 amp_dtype",
                  hint=WHY[op] + "推論與訓練一樣：矩陣乘法與 attention 在半精度跑張量核心；只有 weights 與 residual_stream "
                                 "在推論時可以不同（第 8 節）。")
-    for op in ("weights", "residual_stream"):
+    for op in EITHER_AT_INFERENCE:
         _answers(policy, op, BF16, False, (FP32, BF16), name=f"推論時 precision_policy({op!r}, bf16) 是 FP32 或 amp_dtype",
                  hint="推論時可以保留 FP32 權重（autocast），或把權重轉成半精度（第 8 節）。", either="（兩種都接受）")
     _answers(policy, "optimizer_state", BF16, False, (FP32,), name="推論時 precision_policy('optimizer_state', bf16) 仍是 FP32",
              hint=WHY["optimizer_state"] + "只有 weights 與 residual_stream 在推論時可以不同。")
     for amp, allowed in ((FP32, (FP32,)), (FP16, (FP32, FP16))):
-        for op in ("weights", "residual_stream"):
+        for op in EITHER_AT_INFERENCE:
             _answers(policy, op, amp, False, allowed, name=f"推論時 precision_policy({op!r}, {str(amp)[6:]}) 是 FP32 或 amp_dtype",
                      hint="推論時的選擇是 FP32 或 amp_dtype：跟著 amp_dtype 走，不要寫死 bf16（不用 AMP 時 amp_dtype 就是 FP32）。")
 
