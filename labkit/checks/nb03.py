@@ -99,8 +99,8 @@ def fit_refuses_underdetermined_runs(fit) -> None:
     grading.check_raises(lambda: fit(runs[runs["vocab"] == 256], lse=ODD.lse), ValueError,
                          name="fit_memory_coefficients: one model only -> ValueError",
                          hint="同一個模型的 L*B*N*h 與 B*N*V 成正比：lstsq 不會拋出錯誤，所以要自己檢查特徵矩陣的秩。")
-    twins = model_runs(ODD, [perfmodel.ModelShape(1, 32, 2, vocab=128), perfmodel.ModelShape(3, 32, 2, vocab=384)],
-                       lens=(64, 128), batches=(1, 2))
+    twin_shapes = [perfmodel.ModelShape(1, 32, 2, vocab=128), perfmodel.ModelShape(3, 32, 2, vocab=384)]
+    twins = model_runs(ODD, twin_shapes, lens=(64, 128), batches=(1, 2))
     grading.check_raises(lambda: fit(twins, lse=ODD.lse), ValueError,
                          name="fit_memory_coefficients: two models with the same L*h / V -> ValueError",
                          hint="數模型的個數不夠：兩個模型的 L*h / V 相同時，L*B*N*h 與 B*N*V 仍然成正比。"

@@ -64,7 +64,7 @@ def extend_keeps_grad_dtype_and_device(extend) -> None:
     """A frozen table stays frozen (32 -> 64), a bf16 table stays bf16 (32 -> 40), and a model on the "meta" device
     (shapes only, no data: it shows on a CPU where the new table is created) gets its new table there (32 -> 48)."""
     frozen = gpt2.build_model("tiny", n_positions=32)
-    frozen.transformer.wpe.weight.requires_grad_(False)
+    frozen.transformer.wpe.requires_grad_(False)  # its one parameter, the table
     extend(frozen, 64)
     grading.check_true(not frozen.transformer.wpe.weight.requires_grad, name="extend: a frozen table stays frozen",
                        detail="舊表 requires_grad=False 時，新表也應是 False（新建的 nn.Embedding 預設 requires_grad=True）。",
