@@ -65,7 +65,7 @@ CHECKS = {
     "forward_head_offsets_64bit": (lambda g: nb09_forward.forward_head_offsets_64bit(g["_sparse_fwd_kernel"], g["causal"]),
                                    "ex5_sparse_kernel", "lse offset from the 32-bit program id", "64 位元的 head 偏移量"),
     "backward_matches": (lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "tail", g["causal"], 40, 72, ""),
-                         "ex7_sparse_backward", "dK/dV grid over query blocks", "練習 7：dV，tail"),
+                         "ex7_sparse_backward", "dK/dV grid over query blocks", "，tail]"),
     "backward_head_offsets_64bit": (lambda g: nb09_backward.backward_head_offsets_64bit(
         g["_sparse_bwd_dkdv_kernel"], g["_sparse_bwd_dq_kernel"], g["_sparse_bwd_preprocess"],
         {"_sparse_bwd_preprocess": 1}, g["causal"]),
