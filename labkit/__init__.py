@@ -19,9 +19,10 @@ from labkit.cp import cpu as cpcpu, memory as cpmem, ring as ringproc, run as cp
 from labkit.decoding import decode  # noqa: E402
 from labkit.flex import bench as flexbench, lib as flexlib, packtrain  # noqa: E402
 from labkit.course import reference  # noqa: E402
+from labkit import checks  # noqa: E402 (lk.checks.nbNN: the visible tests of notebook NN)
 
 __version__ = "0.1.0"
-__all__ = ["amp", "attention", "bench", "cpcpu", "cpmem", "cprun", "cptrain", "decode", "doctor", "env", "explain",
+__all__ = ["amp", "attention", "bench", "checks", "cpcpu", "cpmem", "cprun", "cptrain", "decode", "doctor", "env", "explain",
            "flexbench", "flexlib", "gpt2", "grading", "hf_attention", "hfcompat", "kernels", "levers", "longctx",
            "longdata", "longmem", "measure", "overhead", "packtrain", "perfmodel", "plots", "precision", "predictor",
            "profiles", "profiling", "reference", "ringproc", "rope", "roofline", "tritonbench", "tritonbounds",

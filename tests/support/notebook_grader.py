@@ -108,3 +108,17 @@ class NotebookRunner:
             return "hidden" if self.fails(exercise.tests) else "passed"
         finally:
             self.run(exercise.answer)
+
+
+def answers_namespace(spec, setup: str, grade_id: str | None = None, mistake: str | None = None) -> dict:
+    """A notebook namespace holding ``setup`` and every answer cell of ``spec.ASSIGNMENT`` (a tests/mutants module), the
+    one of ``grade_id`` with ``mistake`` (a name in ``spec.MISTAKES[grade_id]``) substituted. Used by tests/labkit/checks/."""
+    runner = NotebookRunner()
+    runner.run(setup)
+    for e in exercises(spec.ASSIGNMENT):
+        if e.grade_id != grade_id:
+            runner.run(e.answer)
+            continue
+        (old, new), = [(old, new) for what, old, new in spec.MISTAKES[grade_id] if what == mistake]
+        runner.run(e.mutate(old, new))
+    return runner.namespace

@@ -1,0 +1,101 @@
+"""Unit tests of labkit.checks.nb09*: each visible check of 09_flex_attention passes the solution's answers and, on
+a known wrong answer (tests/mutants/nb09.py), raises AssertionError naming the rule it breaks.
+
+The Triton checks run through the interpreter on a CPU; the slowest (every mask, the sink cases, the backward's
+loaded elements, the compile checks) are left to tests/test_grader_strength.py, which runs the whole test cells
+against every mistake.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from mutants import load
+from notebook_grader import NotebookRunner, exercises, setup_cells
+
+from labkit.checks import nb09, nb09_backward, nb09_forward
+
+SPEC = load("nb09")
+ITEMS = {e.grade_id: e for e in exercises(SPEC.ASSIGNMENT)}
+
+
+@pytest.fixture(scope="module")
+def ns():
+    """One notebook namespace: the setup cells and every solution answer."""
+    runner = NotebookRunner()
+    for source in setup_cells(SPEC.ASSIGNMENT, SPEC.SETUP) + [e.answer for e in ITEMS.values()]:
+        runner.run(source)
+    runner.namespace["_runner"] = runner
+    return runner.namespace
+
+
+def _mistake(gid: str, what: str) -> tuple[str, str]:
+    return next((old, new) for name, old, new in SPEC.MISTAKES[gid] if name == what)
+
+
+# check -> (call on the namespace, grade_id, a mistake of tests/mutants/nb09.py, words of the message naming its rule)
+CHECKS = {
+    "dense_matches_flex": (lambda g: nb09.dense_matches_flex(g["dense_attention"], g["causal"], g["relative_bias"]),
+                           "ex1_dense_reference", "mask before score_mod", "遮罩在 score_mod 之後"),
+    "dense_empty_rows": (lambda g: nb09.dense_empty_rows(g["dense_attention"]),
+                         "ex1_dense_reference", "empty rows divided by l = 0", "看不見任何鍵的列沒有 NaN"),
+    "dense_low_precision": (lambda g: nb09.dense_low_precision(g["dense_attention"], g["causal"], g["relative_bias"]),
+                            "ex1_dense_reference", "P rounded to the input dtype before P V", "只在最後捨入一次"),
+    "mask_mods_follow_rules": (lambda g: nb09.mask_mods_follow_rules(g["sliding_window"], g["document_mask"],
+                                                                     g["packed_causal"], g["prefix_lm"]),
+                               "ex2_mask_mods", "window off by one (w keys)", "sliding_window(3)"),
+    "mask_rule": (lambda g: nb09.mask_rule(g["prefix_lm"](3), lambda i, j: j < 3 or j <= i, 7, "prefix_lm(3)", ""),
+                  "ex2_mask_mods", "prefix off by one", "prefix_lm(3)"),
+    "score_mods_follow_rules": (lambda g: nb09.score_mods_follow_rules(g["alibi_slopes"], g["alibi"], g["softcap"], g["causal"]),
+                                "ex3_score_mods", "softcap in place", "softcap 不改動傳入的分數"),
+    "block_lists_match": (lambda g: nb09.block_lists_match(g["block_lists"], g["causal"], g["sliding_window"], g["packed_causal"]),
+                          "ex4_block_lists", "indices sorted by an unstable argsort", "每列最多 18 個區塊"),
+    "packing_follows_rules": (lambda g: nb09.packing_follows_rules(g["pack"]),
+                              "ex8_packing", "one document id for all (contaminated)", "document_ids（長度 3、1、4）"),
+    "sink_grad_matches": (lambda g: nb09_forward.sink_grad_matches(g["sink_grad"], 2, 3, 40, 7, "B = 2"),
+                          "ex6_sink_grad", "not summed over the batch", "練習 6：B = 2"),
+    "sink_grad_matches (bf16)": (lambda g: nb09_forward.sink_grad_matches(g["sink_grad"], 2, 3, 200, 8, "bf16",
+                                                                          dtype=torch.bfloat16, d=64),
+                                 "ex6_sink_grad", "D in bf16", "練習 6：bf16"),
+    "forward_matches": (lambda g: nb09_forward.forward_matches(g["sparse_attention"], "tail", g["causal"], 40, 40, ""),
+                        "ex5_sparse_kernel", "K of a partial block loaded past N_K (keep hides it)", "只讀寫傳入的張量，tail"),
+    "forward_launch_and_precision": (lambda g: nb09_forward.forward_launch_and_precision(g["sparse_attention"], g["causal"]),
+                                     "ex5_sparse_kernel", "fp16 launched with PREC=\"ieee\"", "float16 輸入以 PREC=\"tf32\" 啟動"),
+    "forward_reads_listed_blocks": (lambda g: nb09_forward.forward_reads_listed_blocks(g["sparse_attention"], g["sliding_window"]),
+                                    "ex5_sparse_kernel", "every key block read (listed or not), masked", "只讀清單上的區塊"),
+    "forward_head_offsets_64bit": (lambda g: nb09_forward.forward_head_offsets_64bit(g["_sparse_fwd_kernel"], g["causal"]),
+                                   "ex5_sparse_kernel", "lse offset from the 32-bit program id", "64 位元的 head 偏移量"),
+    "backward_matches": (lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "tail", g["causal"], 40, 72, ""),
+                         "ex7_sparse_backward", "dK/dV grid over query blocks", "，tail]"),
+    "backward_head_offsets_64bit": (lambda g: nb09_backward.backward_head_offsets_64bit(
+        g["_sparse_bwd_dkdv_kernel"], g["_sparse_bwd_dq_kernel"], g["_sparse_bwd_preprocess"],
+        {"_sparse_bwd_preprocess": 1}, g["causal"]),
+        "ex7_sparse_backward", "32-bit head offsets (preprocess kernel)", "64 位元的 head 偏移量"),
+    "backward_precision": (lambda g: nb09_backward.backward_precision(g["sparse_attention_backward"], g["causal"]),
+                           "ex7_sparse_backward", "D in the input dtype (D and lse2 from PyTorch)", "D = rowsum(dO ∘ O) 在 fp32 中計算"),
+}
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_check_passes_the_solution_and_names_the_rule_a_mistake_breaks(ns, check):
+    call, gid, mistake, words = CHECKS[check]
+    call(ns)
+    exercise, (old, new) = ITEMS[gid], _mistake(gid, mistake)
+    try:
+        ns["_runner"].run(exercise.mutate(old, new))
+        with pytest.raises(AssertionError) as failed:
+            call(ns)
+    finally:
+        ns["_runner"].run(exercise.answer)
+    assert words in str(failed.value), str(failed.value)
+
+
+def test_table_and_attention64_follow_the_conventions():
+    allowed = nb09.table(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx + 2, 4, 3)   # rows 0 and 1 see nothing
+    assert allowed.dtype == torch.bool and allowed.shape == (4, 3) and not allowed[:2].any()
+    q, k, v = (torch.randn(1, 2, n, 8) for n in (4, 3, 3))
+    o, lse = nb09.attention64(q, k, v, allowed)
+    assert o.dtype == torch.float64 and (o[:, :, :2] == 0).all() and torch.isneginf(lse[:, :, :2]).all()
+    sink = torch.tensor([0.5, -1.0])
+    o_s, lse_s = nb09.attention64(q, k, v, allowed, sink)
+    assert torch.allclose(lse_s[:, :, :2], sink.double().view(1, 2, 1).expand(1, 2, 2)) and (o_s[:, :, :2] == 0).all()
+    assert torch.allclose(o_s[:, :, 2:], o[:, :, 2:] * torch.sigmoid(lse[:, :, 2:] - sink.double().view(1, 2, 1)).unsqueeze(-1))
