@@ -11,16 +11,23 @@ import inspect
 import warnings
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from labkit.core import grading
 from labkit.models import gpt2, hf_attention
 
 
+def _hf():
+    """transformers' two registries and their classes, imported on first use (``import labkit`` stays fast)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS, AttentionInterface, AttentionMaskInterface, sdpa_mask
+
+
 def fresh_name(prefix):
     """A name in neither table yet: what an earlier run of this cell registered cannot help an answer."""
+    ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS, *_ = _hf()
     return next(f"{prefix}_{i}" for i in range(10_000)
                 if f"{prefix}_{i}" not in ALL_ATTENTION_FUNCTIONS and f"{prefix}_{i}" not in ALL_MASK_ATTENTION_FUNCTIONS)
 
@@ -43,6 +50,7 @@ def padded_vs_alone(model, name, full, short, side):
 def registers_in_both_tables(register_attention) -> str:
     """``register_attention(name, fn)`` returns name and puts fn in AttentionInterface and sdpa_mask in
     AttentionMaskInterface under that name; returns the (fresh) name it registered."""
+    ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS, _, _, sdpa_mask = _hf()
     fn = hf_attention.attention_forward
     name = fresh_name("ex2_student")
     returned = register_attention(name, fn)
@@ -61,6 +69,7 @@ def registers_in_both_tables(register_attention) -> str:
 
 def refuses_flash_names(register_attention) -> None:
     """ValueError for a name containing 'flash' anywhere, in any case; a refused name lands in neither table."""
+    ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS, *_ = _hf()
     fn = hf_attention.attention_forward
     grading.check_raises(lambda: register_attention("my_flash_kernel", fn), ValueError, name="名字含 'flash' 時拋出 ValueError",
                          hint="名字裡任何位置出現 'flash' 都要拋出（'flash' in name），不只是開頭。")
@@ -107,6 +116,7 @@ def no_scaling(module, query, key, value, attention_mask, scaling=None, **kwargs
 
 def agreement_tiny():
     """(tiny GPT-2, token ids [2, 32]) for ex3's checks; registers :func:`no_scaling` as "ex3_no_scaling"."""
+    _, _, AttentionInterface, AttentionMaskInterface, sdpa_mask = _hf()
     AttentionInterface.register("ex3_no_scaling", no_scaling)
     AttentionMaskInterface.register("ex3_no_scaling", sdpa_mask)
     model = gpt2.build_model("tiny", attn_implementation="eager")
