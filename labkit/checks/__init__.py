@@ -6,10 +6,19 @@ holds its hidden block. They check what the prose states, with messages in lk.gr
 (labkit ships to students): the references they use compute another way (float64, the naive formula).
 The board's speed checks live apart (instructors only).
 
+Each module is imported on first use (below).
+
 Used in: every notebook's test cells; tests/course/test_grader_strength.py tries them on tests/mutants' wrong answers.
 """
-from labkit.checks import (nb01, nb01_backward, nb01_forward, nb01_function, nb01_softmax, nb01_standard,
-                           nb02, nb02_model, nb03, nb03_positions, nb04, nb05,
-                           nb05_layernorm, nb05_policy, nb06, nb06_backward, nb06_forward, nb06_window,
-                           nb07, nb08, nb08_combine, nb08_decode, nb08_kernels, nb08_paged,
-                           nb08_split, nb09, nb09_backward, nb09_forward)  # noqa: F401
+import importlib
+
+
+def __getattr__(name: str):
+    """``lk.checks.nb06`` imports labkit/checks/nb06.py on first use: ``import labkit`` (every notebook kernel, every
+    board worker) does not pay for the checks of nine notebooks."""
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"labkit.checks has no module {name!r}") from None

@@ -87,6 +87,18 @@ def test_the_face_lists_what_the_notebooks_use():
     assert not unused, f"the face binds names no notebook uses: {sorted(unused)} (name them in FOR_TESTS if a test needs them)"
 
 
+def test_the_checks_load_on_first_use():
+    """``import labkit`` leaves the nine notebooks' checks unloaded (every kernel and board worker imports the face);
+    ``lk.checks.nbNN`` loads its module, and a name that is no module is an AttributeError that says so."""
+    proc = subprocess.run([sys.executable, "-c", "import sys, labkit\n"
+                           "print(sorted(m for m in sys.modules if m.startswith('labkit.checks.')))\n"
+                           "print(labkit.checks.nb07.__name__)"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[:2] == ["[]", "labkit.checks.nb07"]
+    with pytest.raises(AttributeError, match="no module 'nb99'"):
+        labkit.checks.nb99
+
+
 def test_labkit_imports_without_the_board(tmp_path):
     """The student bundle leaves the board out; the face must not need it."""
     for path in bundle.bundle_files(ROOT):

@@ -116,7 +116,7 @@ def test_nbval_kernels_of_the_test_command_are_guarded(tmp_path):
                                                                        "language": "python"}}), tmp_path / "nb.ipynb")
     root = Path(__file__).resolve().parents[3]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           str(root / "tests" / "test_profiles.py"), "-k", "not gpu", str(tmp_path / "nb.ipynb"),
+                           str(root / "tests" / "labkit" / "core" / "test_profiles.py"), "-k", "not gpu", str(tmp_path / "nb.ipynb"),
                            "--nbval-lax", "--nbval-current-env"], cwd=root, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode != 0 and "RunGuardViolation" in proc.stdout and "old API" in proc.stdout
