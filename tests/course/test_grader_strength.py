@@ -109,15 +109,16 @@ def test_right_answers_written_another_way_pass(graded, name):
     assert not wrong, f"{name} (answers the prose allows must pass the whole cell): " + "; ".join(wrong)
 
 
-def test_report_table(graded):
-    """Per notebook: mistakes tried / caught by the visible tests / caught only by the hidden ones / missed."""
-    lines = [f"{'notebook':<28}{'mistakes':>9}{'visible':>9}{'hidden only':>13}{'missed':>8}{'fitted':>8}"]
-    for name in NOTEBOOKS:
-        counts = collections.Counter(outcome for _, _, outcome in tried(graded(name), "mistake"))
-        fitted = len(tried(graded(name), "fitted"))
-        lines.append(f"{load(name).ASSIGNMENT:<28}{sum(counts.values()):>9}{counts['visible']:>9}{counts['hidden']:>13}"
-                     f"{counts['passed']:>8}{fitted:>8}")
-    print("\n".join(["", "wrong answers per notebook:", *lines]))
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_report_table(graded, name):
+    """A notebook's line: mistakes tried / caught by the visible tests / caught only by the hidden ones / missed (-rA).
+
+    One line per notebook, so that each runs where its notebook was graded (tests/conftest.py groups by notebook)."""
+    counts = collections.Counter(outcome for _, _, outcome in tried(graded(name), "mistake"))
+    fitted = len(tried(graded(name), "fitted"))
+    print(f"\n{'notebook':<28}{'mistakes':>9}{'visible':>9}{'hidden only':>13}{'missed':>8}{'fitted':>8}\n"
+          f"{load(name).ASSIGNMENT:<28}{sum(counts.values()):>9}{counts['visible']:>9}{counts['hidden']:>13}"
+          f"{counts['passed']:>8}{fitted:>8}")
 
 
 def rules_table() -> str:
