@@ -68,14 +68,14 @@ def causal_bottom_right(FlashAttention2) -> None:
     for n, nk in ((24, 70), (70, 24)):
         q = torch.randn(1, 2, n, 8, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(1, 2, nk, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
-        o = FlashAttention2.apply(q, k, v, True)
+        o = FlashAttention2.apply(q, k, v, True)   # is_causal: apply takes its arguments by position
         o_ref, _ = attention.reference_attention(q, k, v, causal=True)
         grading.check_true(o.dtype == torch.float64, name=f"FlashAttention2: float64 o, N={n}, Nk={nk}",
                            detail=f"float64 輸入時 o 應為 float64，卻是 {o.dtype}。")
         grading.check_tensor(o, o_ref, name=f"FlashAttention2: causal N={n}, Nk={nk}, o", atol=1e-10,
-                             hint="因果規則對齊右下角：query i 可看 key j <= i + (Nk - N)。")
-        do = torch.randn_like(o)
-        for name, g, e in zip(GRADS, torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(o_ref, (q, k, v), do)):
+                             hint="因果規則對齊右下角：query i 看得到 key j 的條件是 j <= i + (Nk - N)；Nk < N 時前 N - Nk 個 query 看不到任何 key（o = 0）。")
+        grad_o = torch.randn_like(o)
+        for name, g, e in zip(GRADS, torch.autograd.grad(o, (q, k, v), grad_o), torch.autograd.grad(o_ref, (q, k, v), grad_o)):
             grading.check_tensor(g, e, name=f"FlashAttention2: causal N={n}, Nk={nk}, {name} (float64)", atol=1e-10,
                                  hint="前向與反向都要用同一個 is_causal；float64 輸入不要轉成 fp32。")
 

@@ -105,7 +105,7 @@ def block_steps_in_fp32(online_softmax) -> None:
               rule="每個區塊先轉成 fp32 再減 m、取 exp：x - m 也在 fp32 計算",
               hint="x - m 若在 bf16 算（例如 x[..., s:e] - m.to(x.dtype)，之後才 .to(acc)），差值先捨入成 bf16："
                    "16 附近的間距是 0.125，機率差到 6%。先 xb = x[..., s:e].to(acc)，再算 torch.exp(xb - m)。")
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         within_2x(online_softmax, (torch.randn(64, 1000) * 0.5).to(dtype), 48, view=lambda p: p.sum(-1),
                   name=f"online_softmax: {str(dtype)[6:]}，每一列輸出的總和和 1 的差（N=1000, block_size=48，2x rule）",
                   rule="總和 l 與每個區塊的和 sum(exp(x_b - m_new)) 都在 fp32 計算與累加",

@@ -147,8 +147,9 @@ def low_precision_statistics_in_fp32(standard_attention) -> None:
     a bf16/fp16 matmul or s - m rounded before exp is off by ~1e-2, which lse shows)."""
     torch.manual_seed(16)
     for dtype, shape, nk, causal in ((torch.bfloat16, (2, 3, 48, 64), 96, True), (torch.float16, (1, 4, 40, 32), 72, False)):
-        q = torch.randn(shape).to(dtype)
-        k, v = (torch.randn(*shape[:-2], nk, shape[-1]).to(dtype) for _ in range(2))
+        kv_shape = (*shape[:-2], nk, shape[-1])
+        q = torch.randn(*shape).to(dtype)
+        k, v = (torch.randn(kv_shape).to(dtype) for _ in range(2))
         o, lse = standard_attention(q, k, v, is_causal=causal)
         grading.check_true(o.dtype == dtype and lse.dtype == torch.float32, name=f"standard_attention: {dtype} dtype",
                            detail=f"{dtype} 輸入時 o 應為 {dtype}、lse 應為 fp32，卻得到 {o.dtype} 與 {lse.dtype}。",

@@ -108,7 +108,7 @@ def output_dtype_follows_value(my_attention) -> None:
                        hint="softmax 在 fp32 算完後，用 .to(value.dtype) 轉回來再乘 V。")
     grading.check_tensor(out, reference_bnhd(qb, kb, vb, causal=True, scale=0.5), name="bf16 的輸出數值", atol=2e-2)
     # fp64 in: scores and softmax in fp64 (rounding ~1e-16; fp32 arithmetic would leave ~1e-7).
-    qd, kd, vd = (x.double() for x in (q, k, v))
+    qd, kd, vd = q.double(), k.double(), v.double()
     out = my_attention(CAUSAL, qd, kd, vd, None, scaling=0.5)[0]
     grading.check_true(isinstance(out, torch.Tensor) and out.dtype == torch.float64, name="fp64 進、fp64 出",
                        detail=f"fp64 的 query/key/value 應得到 fp64 的輸出，卻得到 {getattr(out, 'dtype', type(out))}。")
@@ -160,8 +160,8 @@ def precision_row_sum(my_attention) -> None:
     each probability to bf16 before @ V (as the rule allows) leaves their sum within 0.1% of 1."""
     g = torch.Generator().manual_seed(2)
     for low, (n, nk, d) in ((torch.bfloat16, (40, 128, 16)), (torch.float16, (33, 120, 24))):
-        ql, kl, vl, exact, plain = constant_v_case(low, n, nk, d, g)
-        grading.check_within_2x(my_attention(CAUSAL, ql, kl, vl, None)[0], exact, plain,
+        q_low, k_low, v_same, exact, plain = constant_v_case(low, n, nk, d, g)
+        grading.check_within_2x(my_attention(CAUSAL, q_low, k_low, v_same, None)[0], exact, plain,
                                 name=f"精度規則：{str(low)[6:]} 輸入、value 在每個 key 都相同（輸出應剛好等於 value，N={n}, Nk={nk}）",
                                 rule="softmax 的統計量（每列的最大值與 exp 的總和）在 fp32 計算與保存，機率算完才轉回 value.dtype",
                                 hint="每列的總和 l = exp(s - m).sum(-1) 要留在 fp32：把 l（或先把 exp 的結果）轉成 bf16/fp16 再相除，"
@@ -187,8 +187,8 @@ def precision_each_probability(my_attention) -> None:
     rounding (SDPA's bf16 error is about 2x that)."""
     g = torch.Generator().manual_seed(11)
     for n, nk, spread, scaling in ((30, 48, 3.0, None), (20, 40, 2.0, 0.5)):
-        ql, kl, vl, exact, plain = identity_v_case(n, nk, spread, scaling, g)
-        got = my_attention(BIDIRECTIONAL, ql, kl, vl, None, scaling=scaling)[0]
+        q_low, k_low, v_eye, exact, plain = identity_v_case(n, nk, spread, scaling, g)
+        got = my_attention(BIDIRECTIONAL, q_low, k_low, v_eye, None, scaling=scaling)[0]
         grading.check_within_2x(got.double().log(), exact.log(), plain.double().log(),
                                 name=f"精度規則：value = 單位矩陣（輸出就是機率），分數約 ±50，每個機率的相對誤差（log；N={n}, Nk=D={nk}, scaling={scaling}）",
                                 rule="分數乘上 scaling、softmax 的 s - m 與 exp 都在 fp32 計算，機率算完才轉回 value.dtype",

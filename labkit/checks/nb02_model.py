@@ -194,8 +194,8 @@ def agreement_eval_and_float64(agreement) -> None:
                          hint="訓練模式下 dropout 每次前向都抽新的遮罩，誤差就沒有意義：一開始先 model.eval()。")
     big = loud(1e19)
     got, want = agreement(big, ids, "sdpa", torch.bfloat16), errors(big, ids, "sdpa", torch.bfloat16)
-    for key, value in zip(("err_eager", "err_impl"), want):
-        grading.check_scalar(got[key], value, name=f"{key} 在 float64 計算（logits 約 1e19 的模型，相對誤差應為 {value:.2%}）",
+    for key, expected in zip(("err_eager", "err_impl"), want):
+        grading.check_scalar(got[key], expected, name=f"{key} 在 float64 計算（logits 約 1e19 的模型，相對誤差應為 {expected:.2%}）",
                              rel=1e-3, hint="相對 L2 在 float64 計算：logits 先 .double() 再相減、取範數。"
                                             "在 fp32 算，logits 約 1e19 時平方和超過 fp32 的最大值 3.4e38，變成 inf，誤差就成了 NaN。")
 
@@ -240,14 +240,14 @@ def left_padded_logits_match_alone(pad_batch) -> None:
     """Two random sequences (7 and 3 tokens) left-padded with 0: each row's real-token logits equal the sequence's
     own (tiny GPT-2 with labkit's attention, atol and rtol 1e-4)."""
     model = gpt2.build_model("tiny", attn_implementation="labkit")
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(24)
     seqs = [torch.randint(0, 255, (n,), generator=gen).tolist() for n in (7, 3)]
     ids_, mask_, pos_ = pad_batch(seqs, 0, side="left")
     batch = gpt2.forward_logits(model, ids_, attention_mask=mask_, position_ids=pos_)
     for row, seq in enumerate(seqs):
         alone = gpt2.forward_logits(model, torch.tensor([seq]))[0]
         grading.check_tensor(batch[row][mask_[row].bool()], alone, name=f"左側補齊的 batch 第 {row} 列 vs 單獨跑的 logits",
-                             atol=1e-4, rtol=1e-4, hint="position_ids 要從每個序列的第一個真正 token 起算。")
+                             atol=1e-4, rtol=1e-4, hint="每個序列的 position_ids 從它第一個真正的 token 起算為 0：左側補齊的位置不佔號碼。")
 
 
 def does_not_call_generate(greedy_decode) -> None:
@@ -272,8 +272,8 @@ def decode_uses_kv_cache(greedy_decode, model, prompt, steps, label) -> None:
     n = prompt.shape[1]
     gpt2.set_attention(model, "labkit")
     with hf_attention.record_calls() as calls:
-        got = greedy_decode(model, prompt, steps)
-    grading.check_tensor(got, without_cache(model, prompt, steps), name=f"{label}：有快取與沒有快取的 token 相同", atol=0,
+        tokens = greedy_decode(model, prompt, steps)
+    grading.check_tensor(tokens, without_cache(model, prompt, steps), name=f"{label}：有快取與沒有快取的 token 相同", atol=0,
                          hint="每步取最後一個位置的 logits（out.logits[:, -1]）的 argmax。")
     seen = [(call["query"][2], call["key"][2]) for call in calls if call["layer"] == 0]  # one per forward
     used_cache = (len(seen) in (steps, steps + 1) and seen[0] == (n, n)

@@ -155,8 +155,8 @@ def _matrix(design_matrix, df) -> torch.Tensor:
 def design_matrix_columns(design_matrix) -> None:
     """[rows, 4] = 4BHN²d·c, BHN²·c, BHNd, 1 (c = 0.5 when causal) for a non-causal and a causal row, and a
     GPU-sized row (4BHN²d ~ 3.5e13) without int32 overflow; no labkit."""
-    tiny = pd.DataFrame([dict(B=2, H=3, N=8, D=4, causal=False), dict(B=2, H=3, N=8, D=4, causal=True)])
-    grading.check_tensor(_matrix(design_matrix, tiny), torch.tensor([[6144.0, 384, 192, 1], [3072, 192, 192, 1]], dtype=torch.float64),
+    tiny = pd.DataFrame([dict(B=2, H=3, N=6, D=5, causal=False), dict(B=2, H=3, N=6, D=5, causal=True)])
+    grading.check_tensor(_matrix(design_matrix, tiny), torch.tensor([[4320.0, 216, 180, 1], [2160, 108, 180, 1]], dtype=torch.float64),
                          name="design_matrix：[列數, 4]，欄位 4BHN²d·c、BHN²·c、BHNd、1（causal 時 c = 0.5）", atol=1e-9,
                          hint="causal 時前兩欄乘 0.5；第三欄 B·H·N·D 不變；最後一欄是 1。")
     grading.check_own_code(design_matrix, name="design_matrix 不可呼叫 labkit")

@@ -114,7 +114,7 @@ def softmax_ir_fp32(softmax, device, shape=(3, 50), dtypes=(torch.bfloat16, torc
 
 def softmax_within_2x(softmax, device) -> None:
     """bf16 and fp16 rows [4, 300] (logits ~ +-10): the error vs a float64 softmax at most 2x torch.softmax's in that dtype."""
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         xl = (torch.randn(4, 300, device=device) * 4).to(dtype)
         grading.check_within_2x(softmax(xl), torch.softmax(xl.double(), dim=-1), torch.softmax(xl, dim=-1),
                                 name=f"softmax: {dtype} values (rows of 300)", rule=RULE_SOFTMAX,
@@ -181,8 +181,8 @@ def function_matches_autograd(function, device, saved_hint: str = "") -> None:
                                   f"實際存了：{[tuple(t.shape) for t in saved]}。",
                            hint=saved_hint)
         grading.check_tensor(lse_like[0], lse_ref, name="TritonFlashAttention: saved lse values", atol=1e-5)
-        expected = torch.autograd.grad(o_ref, (q, k, v), do)
-        for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
+        grads_ref = torch.autograd.grad(o_ref, (q, k, v), do)
+        for name, g, e in zip(("dq", "dk", "dv"), grads, grads_ref):
             grading.check_tensor(g, e, name=f"TritonFlashAttention: {name} (causal={causal})", atol=1e-4,
                                  hint="backward 要用 ctx 存下的 is_causal。")
 
@@ -197,8 +197,9 @@ def function_layouts_and_bf16(function, device) -> None:
                        detail=f"找到 {len(lse_like)} 個形狀 (2, 48) 的張量。", hint="lse 的形狀是 q.shape[:-1]，不要假設 4 維。")
     o_ref, _ = attention.reference_attention(q, k, v)
     grading.check_tensor(o, o_ref, name="TritonFlashAttention: [batch, n, d] o", atol=1e-5)
-    grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
-    for name, g, e in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(o_ref, (q, k, v), torch.ones_like(o))):
+    ones = torch.ones_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), ones)
+    for name, g, e in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(o_ref, (q, k, v), ones)):
         grading.check_tensor(g, e, name=f"TritonFlashAttention: [batch, n, d] {name}", atol=1e-4)
     qb, kb, vb = (torch.randn(1, 2, 40, 16, device=device).to(torch.bfloat16).requires_grad_() for _ in range(3))
     ob = function.apply(qb, kb, vb, True)
@@ -214,7 +215,7 @@ def function_within_2x(function, device, saved_hint: str = "") -> None:
     plain attention's error in that dtype (gradients: plus the rounding of the exact gradient to that dtype)."""
     rule = "log-sum-exp 以 fp32 存下（save_for_backward 存 flash_attention_forward 回傳的 fp32 lse，不轉型）"
     torch.manual_seed(15)
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         ql, kl, vl, dol = (torch.randn(1, 2, 70, 32, device=device).to(dtype) for _ in range(4))
         ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
         ol = function.apply(ql, kl, vl, True)

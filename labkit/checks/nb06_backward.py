@@ -87,7 +87,7 @@ def query_range_rules(query_range, device, cases=QUERY_RANGE_CASES) -> None:
 
 def gradients64(q, k, v, do, causal):
     """o and lse (fp32, from a float64 reference) and the float64 gradients (dq, dk, dv) by autograd."""
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
     o64, lse64 = attention.reference_attention(q64, k64, v64, causal=causal)
     return o64.float().detach(), lse64.float().detach(), torch.autograd.grad(o64, (q64, k64, v64), do.double())
 
@@ -194,7 +194,7 @@ def backward_precision(backward, preprocess, device) -> None:
         hint="tl.math.exp2(...) 算出的 P 與 tl.dot 算出的 dP 都是 fp32：先算 dS = P * (dP - D)，再把 P、dS 分別在 tl.dot 裡 .to(輸入的 dtype)；"
              "不要先把 P 或 dP 轉成輸入的 dtype 再拿去計算。")
     torch.manual_seed(14)
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         ql, dol = (torch.randn(1, 2, 70, 32, device=device).to(dtype) for _ in range(2))
         kl, vl = (torch.randn(1, 2, 90, 32, device=device).to(dtype) for _ in range(2))
         _within_2x(backward, ql, kl, vl, dol, True, f"flash_attention_backward: {str(dtype)[6:]} inputs, N = 70, N_k = 90, "
@@ -227,7 +227,7 @@ def backward_precision(backward, preprocess, device) -> None:
                              hint="核心以連續的 [BH, N, d] 定位：dO 也要經過 _as_heads（reshape 之後 .contiguous()），和 q、k、v、o 一樣；"
                                   "autograd 給的 dO 不一定連續（例如 .sum().backward() 給的是 stride 0 的展開）。")
     gen = torch.Generator().manual_seed(24)   # 250 query tiles: accumulators rounded per tile are 3-7x the allowance
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         ql, dol = (torch.randn(1, 1, 4000, 32, generator=gen).to(dtype).to(device) for _ in range(2))
         dol = (dol.float() + 1.0).to(dtype)
         kl = torch.randn(1, 1, 32, 32, generator=gen).to(dtype).to(device)

@@ -207,7 +207,7 @@ def forward_precision(forward, device) -> None:
                        hint="o = torch.empty_like(q3)（q 的 dtype）；lse 用 dtype=torch.float32；存 o 前 .to(o_ptr.dtype.element_ty)。")
     forward_ir_fp32(forward, device)
     torch.manual_seed(13)
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         for causal in (False, True):
             ql = torch.randn(1, 2, 70, 32, device=device).to(dtype)
             kl, vl = (torch.randn(1, 2, 90, 32, device=device).to(dtype) for _ in range(2))
@@ -221,7 +221,7 @@ def forward_precision(forward, device) -> None:
             grading.check_within_2x(ol, o64, o_plain, name=name + ": o", rule=RULE_FWD,
                                     hint="acc 是 fp32 累加器：tl.dot(p.to(v.dtype), v, acc)；acc / l 在 fp32 中算完，存回時才轉成 o 的 dtype。")
     gen = torch.Generator().manual_seed(21)   # N_k = 1000: an acc rounded per tile is 5-7x off, an fp32 one near 1x
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         ql = torch.randn(1, 1, 20, 32, generator=gen).to(dtype).to(device)
         kl = torch.randn(1, 1, 1000, 32, generator=gen).to(dtype).to(device)
         vl = (torch.randn(1, 1, 1000, 32, generator=gen) + 1.0).to(dtype).to(device)

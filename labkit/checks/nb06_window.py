@@ -114,7 +114,7 @@ def gqa_window_precision(gqa, kernel, device, offsets_hint: str = "") -> None:
                        detail=f"fp32 輸入時 _fwd_gqa_window_kernel 以 PREC = {precs} 啟動；GPU 上 \"tf32\" 讓 tl.dot 只用 10 位元尾數相乘。",
                        hint='PREC="ieee" if q.dtype == torch.float32 else "tf32"（同練習 2）。')
     torch.manual_seed(16)
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         ql = torch.randn(1, 4, 70, 32, device=device).to(dtype)
         kl, vl = (torch.randn(1, 2, 90, 32, device=device).to(dtype) for _ in range(2))
         ol, lsel = gqa(ql, kl, vl, is_causal=True, window=16)

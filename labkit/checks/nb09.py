@@ -115,7 +115,7 @@ def dense_low_precision(dense_attention, causal, relative_bias) -> None:
                        detail=f"得到 o {ob.dtype}、lse {lseb.dtype} {tuple(lseb.shape)}。",
                        hint="統計量（最大值、指數和、lse）在 fp32 中計算；o 最後才 .to(q.dtype)。")
     rule = "分數、最大值、指數和與 lse 以 fp32 計算，o 最後才轉回輸入的 dtype"
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         ql, kl, vl = (t.mul(2.0).to(dtype) for t in _inputs(3, 64, 64, 64, dtype=torch.float32, d=32, B=1, H=2))
         mods = dict(score_mod=relative_bias, mask_mod=causal)
         o_low, lse_low = dense_attention(ql, kl, vl, **mods)

@@ -173,7 +173,7 @@ def backward_low_precision(sparse_attention_backward, causal, sliding_window, pa
     autograd, against autograd through plain attention in that dtype); fp32 accumulators in the Triton IR of bf16
     launches (causal, window, document masks); both kernels compile for sm80 and sm90 (64 x 64 tiles, d = 64)."""
     dev, allowed = tritonmode.device(), table(causal, 64, 64)
-    for dtype in (torch.bfloat16, torch.float16):   # the 2x rule: D and lse * log2(e) in fp32, fp32 accumulators
+    for dtype in grading.LOW_PRECISION:   # the 2x rule: D and lse * log2(e) in fp32, fp32 accumulators
         torch.manual_seed(14)
         ql, kl, vl, dol = (torch.randn(1, 2, 64, 16).to(dtype) for _ in range(4))
         o64, lse64, dq64, dk64, dv64 = grads64(ql, kl, vl, dol, allowed)

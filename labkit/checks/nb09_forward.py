@@ -191,7 +191,7 @@ def forward_low_precision(sparse_attention, causal, sliding_window, packed_causa
     and window without); compiles for sm80 and sm90 at a GPU's tiles (128 x 128, d = 64, bf16)."""
     dev, sink = tritonmode.device(), torch.tensor([1.5, -0.5])
     allowed = table(causal, 128, 128)
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in grading.LOW_PRECISION:
         torch.manual_seed(6)
         ql, kl, vl = (torch.randn(1, 2, 128, 16).mul(1.5).to(dtype) for _ in range(3))
         o_l, lse_l = sparse_attention(ql.to(dev), kl.to(dev), vl.to(dev), flexlib.torch_lists(causal, 128, 128, 16), 16,
@@ -222,10 +222,10 @@ def sink_grad_matches(sink_grad, B: int, H: int, N: int, seed: int, what: str, d
     q, k, v = (torch.randn(B, H, N, d, dtype=torch.float64) for _ in range(3))
     sink = torch.randn(H, dtype=torch.float64).mul(2.0).requires_grad_()
     o, lse = attention64(q, k, v, torch.ones(N, N, dtype=torch.bool).tril(), sink)
-    do = torch.randn_like(o)
-    (o * do).sum().backward()
+    grad_o = torch.randn_like(o)
+    (o * grad_o).sum().backward()
     if dtype is None:
-        got = sink_grad(o.detach(), do, lse.detach().float(), sink.detach().float())
+        got = sink_grad(o.detach(), grad_o, lse.detach().float(), sink.detach().float())
         grading.check_tensor(got, sink.grad, name=f"練習 6：{what}", atol=1e-4, rtol=1e-4,
                              hint="dsink_h = −Σ_b Σ_i exp(s_h − lse_i) · D_i，D = rowsum(dO ∘ O)：負號、exp(s − lse)（不是 lse − s），"
                                   "對 batch 與列加總、每個 head 各一個值。")
@@ -234,7 +234,7 @@ def sink_grad_matches(sink_grad, B: int, H: int, N: int, seed: int, what: str, d
                                                                       f"{tuple(getattr(got, 'shape', ()))}。",
                            hint="對 dim=(0, 2)（batch 與列）加總，留下 head 一維。")
         return
-    ol, dol = o.detach().to(dtype), do.to(dtype)
+    ol, dol = o.detach().to(dtype), grad_o.to(dtype)
     got = sink_grad(ol, dol, lse.detach().float(), sink.detach().float())
     exact = -(torch.exp(sink.detach().view(1, -1, 1) - lse.detach()) * (dol.double() * ol.double()).sum(-1)).sum(dim=(0, 2))
     grading.check_tensor(got, exact, name=f"練習 6：{what}", atol=1e-4, rtol=1e-4,

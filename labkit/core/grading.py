@@ -75,6 +75,9 @@ def fill_freed_memory(*like: torch.Tensor, copies: int = 4) -> None:
     del junk
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)   # the input dtypes the course's 2x rule judges
+
+
 def check_within_2x(actual, reference: torch.Tensor, baseline: torch.Tensor, *, name: str, rule: str,
                     hint: str = "", floor: float = 0.0) -> None:
     """The course's 2x rule: max|actual - reference| <= 2 * max|baseline - reference| (+ ``floor``).
