@@ -94,7 +94,7 @@ def test_a_leaked_line_refuses_the_bundle(tmp_path, kind):
 def test_hidden_tests_may_not_hide_in_labkit(tmp_path):
     root = _fake_course(tmp_path)
     secret = sorted(bundle.secret_lines(root)["hidden test"])[0]
-    with open(root / "labkit" / "grading.py", "a", encoding="utf-8") as f:
+    with open(root / "labkit" / "core" / "grading.py", "a", encoding="utf-8") as f:
         f.write(f'\nHINT = """\n{secret}\n"""\n')
     with pytest.raises(bundle.BundleLeakError, match="labkit/core/grading.py: hidden test"):
         bundle.build_bundle(root, tmp_path / "out.zip")
