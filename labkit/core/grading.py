@@ -1,7 +1,7 @@
 """Assertion helpers for nbgrader test cells, with messages in Traditional Chinese.
 
-Each check raises ``AssertionError`` whose message says what was expected, what came back and
-what to look at; on success it returns quietly. Test cells end with :func:`passed`.
+Each check raises ``AssertionError`` whose message says what was expected, what came back and what to look at; on
+success it returns quietly. Test cells end with :func:`passed`. LOW_PRECISION: the dtypes the 2x rule judges.
 
 Used in: every notebook's test cells.
 """
@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
 
 def _fail(what: str, detail: str, hint: str = "") -> None:
     msg = f"[{what}] {detail}"
@@ -25,8 +27,7 @@ def _fail(what: str, detail: str, hint: str = "") -> None:
     raise AssertionError(msg)
 
 
-def check_tensor(actual, expected: torch.Tensor, *, name: str, atol: float, rtol: float = 0.0,
-                 hint: str = "") -> None:
+def check_tensor(actual, expected: torch.Tensor, *, name: str, atol: float, rtol: float = 0.0, hint: str = "") -> None:
     """``actual`` is a tensor of ``expected``'s shape with |actual - expected| <= atol + rtol*|expected|."""
     if not isinstance(actual, torch.Tensor):
         _fail(name, f"應回傳 torch.Tensor，卻得到 {type(actual).__name__}。", hint)
@@ -73,9 +74,6 @@ def fill_freed_memory(*like: torch.Tensor, copies: int = 4) -> None:
     """
     junk = [torch.full_like(t, float("nan")) for t in like for _ in range(copies)]
     del junk
-
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)   # the input dtypes the course's 2x rule judges
 
 
 def check_within_2x(actual, reference: torch.Tensor, baseline: torch.Tensor, *, name: str, rule: str,

@@ -102,6 +102,12 @@ def test_labkit_imports_have_no_cycles():
         visit(module, [])
 
 
+@pytest.mark.parametrize("path", FILES, ids=[module_name(p) or "labkit" for p in FILES])
+def test_every_module_reads_in_one_sitting(path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= 320, f"{path.relative_to(ROOT)} has {lines} lines: split it along a concept a reader looks for (<= 320)"
+
+
 def test_labkit_holds_only_the_face_the_command_line_and_subpackages():
     top = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
     loose = [n for n in top if n not in ("__init__.py", "__main__.py") and not (PACKAGE / n / "__init__.py").exists()]
