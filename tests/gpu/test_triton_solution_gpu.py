@@ -3,7 +3,7 @@
 The kernels are not copied here: the solution notebook's answer cells (solutions/06_...) run in one
 namespace after its first code cell, as in a kernel, compiled on the GPU.
 
-(a) The checks of stanford-cs336/assignment2-systems ``tests/labkit/engine/test_attention.py``
+(a) The checks of stanford-cs336/assignment2-systems ``tests/test_attention.py``
     (``test_flash_forward_pass_triton``, ``test_flash_backward_triton``), reproduced: inputs
     (4, 128, 64) fp32 on CUDA from seed 0; exactly one saved tensor of shape (batch, n) holding the
     log-sum-exp; output, log-sum-exp and gradients (``.backward(do)``) vs their einsum reference
