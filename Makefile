@@ -26,7 +26,7 @@ lab: setup            ## open the course in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks/ $(ALLOW_ROOT)
 
 test: setup           ## unit tests, release consistency, autograde round trip, solution notebooks (cpu profile)
-	LABKIT_LOCK=$(LOCK) LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup tests/ \
+	LABKIT_LOCK=$(LOCK) LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests/ \
 	  --nbval-lax --nbval-current-env solutions/
 
 test-latest:          ## the same tests on the newest versions pyproject allows, in $(LATEST) (not part of CI)

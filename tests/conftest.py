@@ -32,20 +32,8 @@ def pytest_configure(config):
     config.add_cleanup(stack.close)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group marks into node ids
 def pytest_collection_modifyitems(config, items):
-    """Group the items for ``pytest -n 2 --dist loadgroup``, and skip every item marked ``gpu`` without CUDA.
-
-    A group runs whole on one worker: a test file's items stay together (a notebook's nbval cells share one kernel; a
-    module's fixtures are built once), except that the grader-strength file splits by notebook, so its slowest
-    notebooks (06, 09, 08: minutes each on two cores) run on both workers instead of one after another on one.
-    """
-    for item in items:
-        group = item.path.as_posix()
-        params = item.callspec.params if hasattr(item, "callspec") else {}
-        if item.path.name == "test_grader_strength.py" and "name" in params:
-            group += "::" + params["name"]
-        item.add_marker(pytest.mark.xdist_group(group))
+    """Skip every item marked ``gpu`` when CUDA is unavailable."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
