@@ -55,7 +55,7 @@ RULES = {
         "D from bf16 O and dO stays fp32: _bwd_preprocess launched by hand against float64 row sums",
         "the D and lse2 buffers are fp32 for bf16 inputs (launches recorded)",
         "dO not contiguous (a transposed view): gradients vs fp64",
-        "precision over many query tiles (2x rule): dV, dK, dQ for bf16 and fp16 at N = 4000 (250 tiles), N_k = 32: "
+        "precision over many query tiles (2x rule): dV, dK, dQ for bf16 and fp16 at N = 1024 (64 tiles), N_k = 32: "
         "dK and dV kept fp32 in the loop",
         "the grids follow the tuned tiles: one backward with both kernels' configs swapped for 16 x 16",
         "both kernels skip causal tiles (interpreter's loaded elements)",
