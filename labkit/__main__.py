@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     execute.add_argument("--only", type=ca.words("01,03"), default=None,
                          help="comma-separated notebook name prefixes, e.g. 01,03")
     execute.add_argument("--profile", choices=["cpu", "gpu"], default=None, help="default: by device")
-    execute.add_argument("--timeout", type=ca.integer(1, 1800), default=1800, help="seconds per cell")
+    execute.add_argument("--timeout", type=ca.integer(1, 1800), default=1800,
+                         help="seconds per cell; a cell past it is recorded as an error and ends its notebook")
     execute.add_argument("--strict", action="store_true",
                          help="a network access or deprecation warning fails its cell (default: reported)")
     reference = sub.add_parser("reference", help="store the GPU-only cells' outputs of an executed run (GPU machine)")
