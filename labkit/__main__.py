@@ -225,11 +225,17 @@ def _board(args) -> int:
 
     gpu = not args.cpu and torch.cuda.is_available()
     seed = secrets.randbelow(2**31) if args.seed is None else args.seed
-    table = board.board(args.assignment, args.submitted, args.out, seed=seed, timeout=args.timeout, gpu=gpu,
-                        anonymize=args.anonymize, jobs=args.jobs, memory_gb=args.memory_gb)
+    try:
+        table = board.board(args.assignment, args.submitted, args.out, seed=seed, timeout=args.timeout, gpu=gpu,
+                            anonymize=args.anonymize, jobs=args.jobs, memory_gb=args.memory_gb)
+    except board.BoardSetupError as err:
+        print(f"python -m labkit board: error: {err}", file=sys.stderr)
+        return 1
     shown = [c for c in ("rank", "student", "status", "score", "best_library", "vs_best_library", "detail")
              if c in table]
-    print(table[shown].to_string(index=False, max_colwidth=70, float_format=lambda x: f"{x:.3f}"))
+    unranked = table["rank"].astype(object).where(table["rank"].notna(), "")   # not pandas' "<NA>"
+    print(table[shown].assign(rank=unranked).to_string(index=False, max_colwidth=70, na_rep="",
+                                                       float_format=lambda x: f"{x:.3f}"))
     print(f"wrote {args.out / 'board.csv'} and {args.out / 'board.html'}"
           + ("" if gpu else " (correctness only: no GPU or --cpu)"))
     return 0
