@@ -72,8 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
     bundle.add_argument("--root", type=ca.folder("solutions", COURSE, "'.' run from it"), default=".",
                         help="course folder (holds solutions/)")
-    bundle.add_argument("--out", type=ca.out_file("build/student-bundle.zip"), default="build/student-bundle.zip",
-                        help="zip file to write")
+    bundle.add_argument("--out", type=ca.out_zip("build/student-bundle.zip"), default="build/student-bundle.zip",
+                        help="zip file to write (a name ending in .zip), or an existing folder to write "
+                             "student-bundle.zip into")
     sub.add_parser("longctx", add_help=False,  # its options: python -m labkit longctx --help (lk.longctx)
                    help="GPT-2 on one long sequence: labkit vs sdpa tokens/s (compare), the longest N (search)")
     sub.add_parser("cp-train", add_help=False,  # its options: python -m labkit cp-train --help (lk.cprun)

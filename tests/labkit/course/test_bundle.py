@@ -17,11 +17,13 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, bytes]:
-    out = tmp_path_factory.mktemp("bundle") / "student.zip"
-    proc = subprocess.run([sys.executable, "-m", "labkit", "bundle", "--root", str(ROOT), "--out", str(out)],
+    """The bundle, written by the command into an existing folder (``--out FOLDER``: the default name inside)."""
+    folder = tmp_path_factory.mktemp("bundle")
+    proc = subprocess.run([sys.executable, "-m", "labkit", "bundle", "--root", str(ROOT), "--out", str(folder)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    with zipfile.ZipFile(out) as archive:
+    assert [p.name for p in folder.iterdir()] == ["student-bundle.zip"]
+    with zipfile.ZipFile(folder / "student-bundle.zip") as archive:
         return {name: archive.read(name) for name in archive.namelist()}
 
 
@@ -68,6 +70,16 @@ def test_bundle_installs_and_imports(built, tmp_path):
                           cwd=tmp_path / bundle.TOP_FOLDER, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert str(tmp_path) in proc.stdout
+
+
+def test_out_zip_gets_its_folder_created(tmp_path, capsys):
+    from labkit.__main__ import main
+
+    out = tmp_path / "new" / "deeper" / "lab.zip"
+    assert main(["bundle", "--root", str(ROOT), "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    with zipfile.ZipFile(out) as archive:
+        assert f"{bundle.TOP_FOLDER}/README.md" in archive.namelist()
 
 
 def _fake_course(tmp_path: Path) -> Path:
