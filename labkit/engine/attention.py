@@ -57,6 +57,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     if torch.compiler.is_compiling():
         return _traced_attention(q, k, v, causal, scale, backend, layout, nan_policy)
+    if causal is not True and causal is not False:  # 0, "False", np.bool_: the key would take 0 for False
+        causal = check_causal(causal)
     try:
         key = _key(q, k, v, causal, backend, layout, nan_policy)
         plan = _PLANS[key]

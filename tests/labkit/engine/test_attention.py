@@ -444,6 +444,8 @@ def test_fp32_into_half_only_kernel(backend, make_qkv):
 @pytest.mark.parametrize("causal", ["False", "True", 0, 1, None, [True]], ids=repr)
 def test_causal_must_be_a_bool(backend, causal, make_qkv):
     q, k, v = make_qkv(1, 2, 16, 32)
+    for flag in (False, True):  # plans cached under causal False and True: 0 and 1 must not find them
+        attention(q, k, v, causal=flag, backend=backend)
     with pytest.raises(TypeError, match=r"causal must be a bool \(True or False\), got "):
         attention(q, k, v, causal=causal, backend=backend)
     with pytest.raises(TypeError, match="causal must be a bool"):
