@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     execute.add_argument("--only", type=ca.words("01,03"), default=None,
                          help="comma-separated notebook name prefixes, e.g. 01,03")
     execute.add_argument("--profile", choices=["cpu", "gpu"], default=None, help="default: by device")
-    execute.add_argument("--timeout", type=ca.integer(1, 1800), default=1800, help="seconds per cell")
+    execute.add_argument("--timeout", type=ca.integer(1, 1800), default=1800,
+                         help="seconds per cell; a cell past it is recorded as an error and ends its notebook")
     execute.add_argument("--strict", action="store_true",
                          help="a network access or deprecation warning fails its cell (default: reported)")
     reference = sub.add_parser("reference", help="store the GPU-only cells' outputs of an executed run (GPU machine)")
@@ -71,8 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     bundle = sub.add_parser("bundle", help="zip the student bundle (no solutions, no hidden tests)")
     bundle.add_argument("--root", type=ca.folder("solutions", COURSE, "'.' run from it"), default=".",
                         help="course folder (holds solutions/)")
-    bundle.add_argument("--out", type=ca.out_file("build/student-bundle.zip"), default="build/student-bundle.zip",
-                        help="zip file to write")
+    bundle.add_argument("--out", type=ca.out_zip("build/student-bundle.zip"), default="build/student-bundle.zip",
+                        help="zip file to write (a name ending in .zip), or an existing folder to write "
+                             "student-bundle.zip into")
     sub.add_parser("longctx", add_help=False,  # its options: python -m labkit longctx --help (lk.longctx)
                    help="GPT-2 on one long sequence: labkit vs sdpa tokens/s (compare), the longest N (search)")
     sub.add_parser("cp-train", add_help=False,  # its options: python -m labkit cp-train --help (lk.cprun)
@@ -224,11 +226,17 @@ def _board(args) -> int:
 
     gpu = not args.cpu and torch.cuda.is_available()
     seed = secrets.randbelow(2**31) if args.seed is None else args.seed
-    table = board.board(args.assignment, args.submitted, args.out, seed=seed, timeout=args.timeout, gpu=gpu,
-                        anonymize=args.anonymize, jobs=args.jobs, memory_gb=args.memory_gb)
+    try:
+        table = board.board(args.assignment, args.submitted, args.out, seed=seed, timeout=args.timeout, gpu=gpu,
+                            anonymize=args.anonymize, jobs=args.jobs, memory_gb=args.memory_gb)
+    except board.BoardSetupError as err:
+        print(f"python -m labkit board: error: {err}", file=sys.stderr)
+        return 1
     shown = [c for c in ("rank", "student", "status", "score", "best_library", "vs_best_library", "detail")
              if c in table]
-    print(table[shown].to_string(index=False, max_colwidth=70, float_format=lambda x: f"{x:.3f}"))
+    unranked = table["rank"].astype(object).where(table["rank"].notna(), "")   # not pandas' "<NA>"
+    print(table[shown].assign(rank=unranked).to_string(index=False, max_colwidth=70, na_rep="",
+                                                       float_format=lambda x: f"{x:.3f}"))
     print(f"wrote {args.out / 'board.csv'} and {args.out / 'board.html'}"
           + ("" if gpu else " (correctness only: no GPU or --cpu)"))
     return 0

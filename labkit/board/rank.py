@@ -22,7 +22,9 @@ a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
 
 Output: ``OUT/board.csv`` (student, status, detail, score, ...), ``OUT/board.html`` (the ranked table and a bar
 chart with the library kernels as lines), ``OUT/timings.json`` (per student, every timed shape and kernel),
-``OUT/logs/<student>.log`` (what the worker printed).
+``OUT/logs/<student>.log`` (what the student's run printed, each cell's output, the traceback of an error, and the
+board's verdict). Before any student, :func:`probe` runs the solution's setup cell under the same limits: a limit
+too small for the runtime itself is the board's error (:class:`BoardSetupError`), not every student's.
 
 Used by: ``python -m labkit board`` (``make board ASSIGNMENT=...``).
 """
@@ -114,7 +116,7 @@ def _env(tmp: Path, gpu: bool) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(("CUDA_", "NVIDIA_", "TRITON_", "LD_"))}
     env.update(HOME=str(tmp), TMPDIR=str(tmp), XDG_CACHE_HOME=str(tmp / ".cache"), MPLBACKEND="Agg",
                TRITON_CACHE_DIR=str(tmp / ".triton"), HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT),
-               PYTHONDONTWRITEBYTECODE="1")
+               PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")   # prints and tracebacks in order
     if not gpu:
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LABKIT_PROFILE="cpu")
     else:
@@ -122,24 +124,36 @@ def _env(tmp: Path, gpu: bool) -> dict[str, str]:
     return env
 
 
+class BoardSetupError(RuntimeError):
+    """The runtime itself fails under the board's limits (:func:`probe`): no student is run or ranked."""
+
+
 def run_student(assignment: str, notebook: Path, *, seed: int, timeout: float, gpu: bool, logs: Path,
                 student: str, target_ms: float = 30.0, memory_gb: float | None = None) -> dict:
     """One submission through :mod:`labkit.board.worker` in its own process group, cwd a fresh temporary folder.
 
     Returns {"status", "detail", "timing", "seconds"}; a crash, a missing result or the time limit
-    (the process group killed) is reported here, never raised."""
+    (the process group killed) is reported here, never raised. ``logs/<student>.log``: what the run printed
+    (each cell's output, the traceback of an error), then the result's status and detail."""
     started = time.monotonic()
     try:
         nb = json.loads(Path(notebook).read_text(encoding="utf-8"))
         cells = cells_to_run(nb, SPECS[assignment].graded)
     except (OSError, ValueError) as err:
-        return {"status": "error", "detail": f"notebook unreadable: {err}", "timing": None, "seconds": 0.0}
+        result = {"status": "error", "detail": f"notebook unreadable: {err}", "timing": None, "seconds": 0.0}
+    else:
+        job = dict(assignment=assignment, cells=cells, seed=seed, time=gpu, target_ms=target_ms, memory_gb=memory_gb)
+        result = _work(job, timeout=timeout, gpu=gpu, log=logs / f"{student}.log", started=started)
+    with open(logs / f"{student}.log", "a", encoding="utf-8") as log:
+        log.write(f"--- board: {result['status']}{': ' + result['detail'] if result.get('detail') else ''}\n")
+    return result
+
+
+def _work(job: dict, *, timeout: float, gpu: bool, log: Path, started: float) -> dict:
+    """Run ``job`` through the worker (output to ``log``); its result, or the timeout's or the crash's."""
     tmp = Path(tempfile.mkdtemp(prefix="labkit-board-"))
     try:
-        job = dict(assignment=assignment, cells=cells, seed=seed, time=gpu, target_ms=target_ms,
-                   memory_gb=memory_gb, result=str(tmp / "result.json"))
-        (tmp / "job.json").write_text(json.dumps(job), encoding="utf-8")
-        log = logs / f"{student}.log"
+        (tmp / "job.json").write_text(json.dumps({**job, "result": str(tmp / "result.json")}), encoding="utf-8")
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "labkit.board.worker", str(tmp / "job.json")], cwd=tmp,
                                     env=_env(tmp, gpu), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -165,6 +179,20 @@ def run_student(assignment: str, notebook: Path, *, seed: int, timeout: float, g
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def probe(assignment: str, *, timeout: float, gpu: bool, logs: Path, memory_gb: float | None = None) -> None:
+    """Run the solution's first code cell (imports, ``lk.tritonmode.setup()``, the doctor) in a worker under the
+    students' limits; raises :class:`BoardSetupError` naming the limit when it fails (``logs/_probe.log``)."""
+    solution = ROOT / "solutions" / assignment / f"{assignment}.ipynb"
+    cells = cells_to_run(json.loads(solution.read_text(encoding="utf-8")), SPECS[assignment].graded)[:1]
+    job = dict(assignment=assignment, cells=cells, seed=0, time=False, memory_gb=memory_gb, probe=True)
+    result = _work(job, timeout=timeout, gpu=gpu, log=logs / "_probe.log", started=time.monotonic())
+    if result["status"] != "ok":
+        limit = f"--memory-gb {memory_gb:g}" if memory_gb else "the default limits"
+        hint = "; give a larger --memory-gb" if memory_gb else ""
+        raise BoardSetupError(f"the solution's setup cell does not run under {limit} ({result['detail']}): no student "
+                              f"was run{hint} (log: {logs / '_probe.log'})")
+
+
 def _row(student: str, result: dict) -> dict:
     """One board row: status, detail, the scores of the student and the best library kernel of the same run."""
     row = dict(student=student, status=result["status"], detail=result.get("detail", ""), score=None,
@@ -186,12 +214,15 @@ def anonymous(student: str, seed: int) -> str:
 
 def board(assignment: str, submitted: Path, out: Path, *, seed: int, timeout: float, gpu: bool,
           anonymize: bool = False, jobs: int = 1, memory_gb: float | None = None) -> pd.DataFrame:
-    """Run every submission, write ``out/board.csv`` and ``out/board.html``; returns the ranked rows."""
+    """Run every submission, write ``out/board.csv`` and ``out/board.html``; returns the ranked rows.
+
+    Raises :class:`BoardSetupError` (nothing written but ``out/logs/_probe.log``) when :func:`probe` fails."""
     from tqdm.auto import tqdm
 
     found = submissions(submitted, assignment)
     logs = Path(out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    probe(assignment, timeout=timeout, gpu=gpu, logs=logs, memory_gb=memory_gb)
     names = {s: anonymous(s, seed) if anonymize else s for s in found}
     results = {}
     with concurrent.futures.ThreadPoolExecutor(1 if gpu else max(1, jobs)) as pool, \

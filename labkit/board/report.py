@@ -85,9 +85,10 @@ def _chart(table: pd.DataFrame, lines: dict[str, float]) -> str:
 
 
 def _cell(value) -> str:
-    if isinstance(value, float):
-        return "" if value != value else f"{value:.3f}"
-    return html.escape("" if value is None or (isinstance(value, float) and value != value) else str(value))
+    """One table cell: empty for a missing value (None, NaN, pandas' NA: an unranked student), floats to 3 places."""
+    if value is None or value is pd.NA or (isinstance(value, float) and value != value):
+        return ""
+    return f"{value:.3f}" if isinstance(value, float) else html.escape(str(value))
 
 
 def write_html(table: pd.DataFrame, timings: list[dict | None], path: Path, *, assignment: str, gpu: bool) -> Path:

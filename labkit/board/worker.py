@@ -4,7 +4,9 @@
 TMPDIR), in a process group of its own that it kills at the time limit. ``JOB.json`` holds the assignment,
 the code cells to run (chosen by :func:`labkit.board.rank.cells_to_run`: the student's notebook is never read
 here), the secret seed, whether to time, and where to write the result, a JSON object
-``{"status", "detail", "timing"}``. Steps, the first failure deciding the status:
+``{"status", "detail", "timing"}``. Its output (the student's log) holds each cell's prints under a
+``--- cell N ---`` line and, on an error, the traceback. A ``probe`` job (:func:`labkit.board.rank.probe`) stops
+after its cells: the runtime under the students' limits, before any student runs. Steps, the first failure deciding the status:
 
 1. Guards: the course's no-network guard (:func:`labkit.course.runguard.install`, ``report`` mode: a connection
    fails, a warning only prints); a memory limit, ``memory_gb`` (CPU: ``RLIMIT_AS``, default 16 GiB; GPU: a
@@ -86,9 +88,11 @@ def _run_cells(cells: list[dict], ns: dict) -> None:
     for cell in cells:
         filename = f"<cell-{cell['index']}>"
         linecache.cache[filename] = (len(cell["source"]), None, cell["source"].splitlines(True), filename)
+        print(f"--- cell {cell['index']} ---", flush=True)                 # the log: what each cell printed
         try:
             exec(compile(cell["source"], filename, "exec"), ns)  # noqa: S102 - the submission's own cell
         except BaseException as err:  # noqa: BLE001 - sys.exit() in a cell is an error too
+            traceback.print_exc()
             raise CellError(f"cell {cell['index']}: {_last_line(err)}") from err
 
 
@@ -186,6 +190,8 @@ def run(job: dict) -> dict:
     ns = {"__name__": "__main__", "display": lambda *args, **kwargs: print(*args)}
     try:
         _run_cells(job["cells"], ns)
+        if job.get("probe"):
+            return {"status": "ok", "detail": "", "timing": None}
         if (changed := _tampered(before)):
             raise Verdict("flagged", changed)
         timing = _checks(spec, ns, job, device, before)

@@ -10,7 +10,8 @@ usage and exits with status 2, before the command does any work. Checks that nee
 - :func:`names`: a comma-separated list of names from a fixed set (:func:`words`: of any names);
   :func:`checked`: a name that a module's own function accepts (its ValueError's message becomes the answer);
 - :func:`folder`: an existing folder (holding a given file); :func:`out_folder`, :func:`out_file`:
-  where output may be written (not a file where a folder is meant, nor the reverse).
+  where output may be written (not a file where a folder is meant, nor the reverse); :func:`out_zip`: a
+  ``.zip`` file name, or an existing folder to write the default-named zip into.
 
 Used by: ``labkit.__main__``, :mod:`labkit.cp.run`, :mod:`labkit.long.ctx`.
 """
@@ -180,4 +181,25 @@ def out_file(example: str = "build/out.json") -> Callable[[str], Path]:
     return _named(parse, "output file")
 
 
-__all__ = ["Error", "checked", "folder", "integer", "integers", "names", "number", "out_file", "out_folder", "words"]
+def out_zip(default: str = "build/student-bundle.zip") -> Callable[[str], Path]:
+    """A zip to write: a path ending in ``.zip`` (its folder created if needed), or an existing folder, which gets
+    ``default``'s file name inside it. Anything else (``build`` where no such folder exists) is refused."""
+    name = Path(default).name
+    as_file = out_file(default)
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        if path.is_dir():
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise Error(f"folder {text!r} is not writable by this user; give a .zip file name, e.g. {default}")
+            return path / name
+        if path.suffix.lower() != ".zip":
+            raise Error(f"{text!r} is neither a file name ending in .zip nor an existing folder; give e.g. {default}"
+                        f" or {Path(default).parent} (then {name} inside it)")
+        return as_file(text)
+
+    return _named(parse, "zip file")
+
+
+__all__ = ["Error", "checked", "folder", "integer", "integers", "names", "number", "out_file", "out_folder", "out_zip",
+           "words"]

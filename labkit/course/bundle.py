@@ -1,8 +1,11 @@
 """The student bundle: everything a student needs, nothing an instructor keeps.
 
 ``python -m labkit bundle`` (``make bundle``) zips the student notebooks, the labkit package and
-the files that install them (README, environment.yml, pyproject.toml, the lock, Makefile) into
-``build/student-bundle.zip``, under one top folder. Before writing, it scans every file for
+the files that install them (environment.yml, pyproject.toml, the lock) into
+``build/student-bundle.zip``, under one top folder, with a README and a Makefile written for students
+(:data:`STUDENT_FILES`, kept in ``labkit/course/student/``: how to install, open the notebooks, check the
+install and hand in; targets setup, lab, check and bench, each of which works in the unpacked bundle), not
+the instructor's README and Makefile, whose tools (tests, release, board) need files the bundle lacks. Before writing, it scans every file for
 leaks and refuses to write a bundle that has any:
 
 - a path from ``solutions/`` or ``tests/`` (hidden tests live in both);
@@ -26,11 +29,14 @@ import zipfile
 from pathlib import Path
 
 TOP_FOLDER = "lab-1.5-flashattention"
-BUNDLE_FILES = ("README.md", "environment.yml", "pyproject.toml", "constraints.txt", "Makefile")
+BUNDLE_FILES = ("environment.yml", "pyproject.toml", "constraints.txt")
+STUDENT_FOLDER = "labkit/course/student"
+STUDENT_FILES = {"README.md": f"{STUDENT_FOLDER}/README.md", "Makefile": f"{STUDENT_FOLDER}/Makefile"}  # bundle <- repo
 BUNDLE_DIRS = ("notebooks", "labkit")
 EXCLUDED_PARTS = {"__pycache__", ".ipynb_checkpoints"}
-# instructors' tools that students must not see: the board's check shapes, its index rules and its seed handling
-INSTRUCTOR_ONLY = ("labkit/board/",)
+# instructors' tools that students must not see: the board's check shapes, its index rules and its seed handling;
+# and the student README and Makefile's sources, which the bundle holds at its top instead
+INSTRUCTOR_ONLY = ("labkit/board/", f"{STUDENT_FOLDER}/")
 FORBIDDEN_DIRS = ("solutions", "tests")
 MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
 MIN_LINE_CHARS = 24
@@ -41,17 +47,17 @@ class BundleLeakError(RuntimeError):
     """The bundle would hand students solution text or hidden tests."""
 
 
-def bundle_files(root: Path) -> list[Path]:
-    """The files that go into the bundle, relative to ``root``, sorted."""
-    files = [Path(name) for name in BUNDLE_FILES]
+def bundle_files(root: Path) -> dict[str, Path]:
+    """Bundle path -> the file of ``root`` it is copied from (relative), sorted by bundle path."""
+    files = {name: Path(name) for name in BUNDLE_FILES} | {name: Path(src) for name, src in STUDENT_FILES.items()}
     for folder in BUNDLE_DIRS:
-        files += [p.relative_to(root) for p in (root / folder).rglob("*")
-                  if p.is_file() and not EXCLUDED_PARTS & set(p.parts) and p.suffix != ".pyc"
-                  and not p.relative_to(root).as_posix().startswith(INSTRUCTOR_ONLY)]
-    missing = [str(f) for f in files if not (root / f).is_file()]
+        files.update({p.relative_to(root).as_posix(): p.relative_to(root) for p in (root / folder).rglob("*")
+                      if p.is_file() and not EXCLUDED_PARTS & set(p.parts) and p.suffix != ".pyc"
+                      and not p.relative_to(root).as_posix().startswith(INSTRUCTOR_ONLY)})
+    missing = [str(f) for f in files.values() if not (root / f).is_file()]
     if missing:
         raise FileNotFoundError(f"bundle files missing under {root}: {missing}")
-    return sorted(files)
+    return dict(sorted(files.items()))
 
 
 def secret_lines(root: Path) -> dict[str, set[str]]:
@@ -99,7 +105,7 @@ def _json_lines(text: str) -> list[str]:
 def build_bundle(root: Path, out: Path) -> Path:
     """Zip the student bundle of the course at ``root`` to ``out``; raise BundleLeakError on a leak."""
     root = Path(root).resolve()
-    files = {str(f.as_posix()): (root / f).read_bytes() for f in bundle_files(root)}
+    files = {name: (root / source).read_bytes() for name, source in bundle_files(root).items()}
     problems = leaks(files, secret_lines(root))
     if problems:
         raise BundleLeakError("refusing to write the student bundle:\n  " + "\n  ".join(problems[:20]))

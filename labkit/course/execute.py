@@ -13,7 +13,9 @@ Each kernel runs with ``HF_HUB_OFFLINE=1`` under :mod:`labkit.course.runguard` (
 deprecation warnings from torch, transformers, labkit or the notebook), in "report" mode by
 default (violations are listed in the summary) or "raise" mode (``strict``: they fail the cell).
 A failing cell does not stop the run: its error is recorded and the next cell runs, and the
-summary is rewritten after every notebook, so a long run that is cut short loses nothing.
+summary is rewritten after every notebook, so a long run that is cut short loses nothing. A cell
+past its time limit (``--timeout``) is interrupted and recorded as a :data:`TIMEOUT` error (the
+cell, the limit, how long it ran); the rest of that notebook is skipped and the next notebook runs.
 
 Used in: the Makefile (``execute``), the GPU verification of the course, ``tests/labkit/course/test_execute.py``.
 """
@@ -35,7 +37,12 @@ from labkit.course.runguard import REPORT_PREFIX
 
 SUMMARY_TAG = "summary"
 _OBJECT_REPR = re.compile(r"^<[^\n]*(size|at 0x)[^\n]*>$")
+TIMEOUT = "CellTimeout"  # the ename recorded for a cell interrupted at its time limit
 GUARD_STARTUP = "import os\nimport labkit.course.runguard\nlabkit.course.runguard.install(os.environ.get('LABKIT_RUNGUARD', 'raise'))\n"
+
+
+class _NotebookStopped(Exception):
+    """Raised from a cell hook to end one notebook's run (its kernel is idle again, so it shuts down cleanly)."""
 
 
 @dataclass
@@ -127,8 +134,30 @@ def collect(nb, name: str, seconds: float, figures_dir: Path) -> NotebookRun:
     return run
 
 
+def _timed_out(cell, execute_reply: dict, *, seconds: float, timeout: int) -> bool:
+    """Whether the cell was interrupted at its time limit; if so its KeyboardInterrupt becomes a :data:`TIMEOUT` error."""
+    content = execute_reply.get("content", {})
+    if not (content.get("status") == "error" and content.get("ename") == "KeyboardInterrupt" and seconds >= timeout):
+        return False
+    message = (f"cell ran past its {timeout} s limit (--timeout) and was interrupted after {seconds:.1f} s; "
+               "the notebook's remaining cells were not run")
+    cell.outputs = [o for o in cell.outputs if o["output_type"] != "error"]
+    cell.outputs.append(_error_output(TIMEOUT, message))
+    return True
+
+
+def _error_output(ename: str, evalue: str):
+    """An ``error`` output as nbformat writes it (no traceback)."""
+    from nbformat.v4 import new_output
+
+    return new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
+
+
 def execute_one(path: Path, out: Path, *, timeout: int, progress: bool = True) -> NotebookRun:
-    """Execute one notebook in a fresh kernel (cwd = its folder); write the .ipynb and .html copies."""
+    """Execute one notebook in a fresh kernel (cwd = its folder); write the .ipynb and .html copies.
+
+    A cell past ``timeout`` seconds is interrupted, recorded as a :data:`TIMEOUT` error, and ends this notebook.
+    """
     import nbformat
     from nbclient import NotebookClient
     from tqdm.auto import tqdm
@@ -136,16 +165,27 @@ def execute_one(path: Path, out: Path, *, timeout: int, progress: bool = True) -
     nb = nbformat.read(path, as_version=4)
     bar = tqdm(total=sum(c.cell_type == "code" for c in nb.cells), desc=path.stem, unit="cell", disable=not progress)
     target = out / path.name
+    started = [0.0]
 
-    def cell_done(**_):  # save after every cell: a run that is killed keeps what it measured
+    def cell_start(**_):
+        started[0] = time.perf_counter()
+
+    def cell_done(cell, execute_reply, **_):  # save after every cell: a run that is killed keeps what it measured
         bar.update()
+        stop = _timed_out(cell, execute_reply, seconds=time.perf_counter() - started[0], timeout=timeout)
         nbformat.write(nb, target)
+        if stop:
+            raise _NotebookStopped(cell.id)
 
-    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}}, on_cell_executed=cell_done)
+    client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3", interrupt_on_timeout=True,
+                            resources={"metadata": {"path": str(path.parent)}}, on_cell_execute=cell_start,
+                            on_cell_executed=cell_done)
+    client.log.setLevel("CRITICAL")  # its "Timeout waiting for execute reply" lines: the summary says it, once
     start = time.perf_counter()
     try:
         client.execute()
+    except _NotebookStopped:
+        pass
     finally:
         bar.close()
         seconds = time.perf_counter() - start

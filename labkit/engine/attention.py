@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from labkit.engine.check import LAYOUTS, NAN_POLICIES, _as_bhnd, _cast_dtype, _check_choice, _check_finite, validate
+from labkit.engine.check import (LAYOUTS, NAN_POLICIES, _as_bhnd, _cast_dtype, _check_choice, _check_finite, check_causal,
+                                 check_count, check_scale, validate)
 from labkit.engine.kernels import (BACKENDS, HALF, RUN_ERRORS, RUNNERS, AttentionInputError, causal_mask, native_layout,
                       package_problem, reference_attention, static_problem, why_not)
 from labkit.core.measure import time_interleaved
@@ -43,8 +44,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Args:
         q: [B, H, N, D] ("bhnd") or [B, N, H, D] ("bnhd").
         k, v: same layout, with Nk keys.
-        causal: bottom-right aligned causal mask.
-        scale: default 1/sqrt(D).
+        causal: bottom-right aligned causal mask; a bool (numpy's too), else TypeError.
+        scale: default 1/sqrt(D); else a finite number > 0 (ValueError for NaN, inf, 0 or less).
         backend: one of BACKENDS or "auto".
         layout: "bhnd" or "bnhd"; the output has the same layout as q, and q's dtype (under
             autocast, fp32 inputs run in the autocast dtype, as SDPA does).
@@ -56,11 +57,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     if torch.compiler.is_compiling():
         return _traced_attention(q, k, v, causal, scale, backend, layout, nan_policy)
+    if causal is not True and causal is not False:  # 0, "False", np.bool_: the key would take 0 for False
+        causal = check_causal(causal)
     try:
         key = _key(q, k, v, causal, backend, layout, nan_policy)
         plan = _PLANS[key]
     except (AttributeError, TypeError, KeyError):  # not tensors (validate says so), or a new key
         plan = _new_plan(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy=nan_policy)
+    if scale is not None:
+        check_scale(scale)
     if nan_policy == "raise":
         _check_finite(q, k, v)
     return plan(q, k, v, scale)
@@ -79,7 +84,7 @@ def _new_plan(q, k, v, *, causal, backend, layout, nan_policy) -> Plan:
     """Validate, resolve "auto", build the plan and cache it under its key."""
     validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy="ignore")
     _check_choice("nan_policy", nan_policy, NAN_POLICIES)
-    cast, needs_grad = _cast_dtype(q), grad_needed(q, k, v)
+    cast, needs_grad, causal = _cast_dtype(q), grad_needed(q, k, v), bool(causal)
     name = auto_choice(q, k, v, causal=causal, layout=layout) if backend == "auto" else backend
     plan = _plan(name, layout, causal, needs_grad, cast)
     if len(_PLANS) >= MAX_PLANS:
@@ -108,7 +113,8 @@ def _plan(backend: str, layout: str, causal: bool, needs_grad: bool, cast: torch
 def _traced_attention(q, k, v, causal, scale, backend, layout, nan_policy) -> torch.Tensor:
     """``attention`` while torch.compile traces it: no plan cache (the checks are traced once per
     graph); "auto" is resolved outside the graph, on real tensors."""
-    validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy=nan_policy)
+    validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy=nan_policy, scale=scale)
+    causal = bool(causal)
     name = _auto_outside_graph(q, k, v, causal, layout) if backend == "auto" else backend
     return _plan(name, layout, causal, grad_needed(q, k, v), _cast_dtype(q))(q, k, v, scale)
 
@@ -243,10 +249,13 @@ def _step(plan: Plan, q, k, v, needs_grad: bool) -> Callable[[], None]:
 def flops(batch: int, heads: int, n: int, head_dim: int, *, causal: bool = False,
           mode: str = "fwd", nk: int | None = None) -> float:
     """FLOPs of attention: 4*B*H*N*Nk*D forward (two matmuls), halved when causal,
-    x3.5 for forward+backward ("fwd_bwd": the backward does 2.5x the forward's matmuls)."""
-    nk = n if nk is None else nk
+    x3.5 for forward+backward ("fwd_bwd": the backward does 2.5x the forward's matmuls).
+
+    Every size is an int >= 0 (ValueError below 0, TypeError for another type); ``causal`` a bool."""
+    sizes = dict(batch=batch, heads=heads, n=n, head_dim=head_dim, nk=n if nk is None else nk)
+    batch, heads, n, head_dim, nk = (check_count(name, value) for name, value in sizes.items())
     total = 4.0 * batch * heads * n * nk * head_dim
-    if causal:
+    if check_causal(causal):
         total /= 2
     if mode not in MODES:
         raise ValueError(f"mode must be 'fwd' or 'fwd_bwd', got {mode!r}")

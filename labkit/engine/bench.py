@@ -11,6 +11,7 @@ Used in: 01_setup_and_comparison, 04_performance_analysis.
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -25,7 +26,9 @@ from labkit.core.measure import (Timing, as_device, call_ms, free_memory, is_oom
 
 
 def tflops(flop: float, ms: float) -> float:
-    """TFLOP/s of ``flop`` operations done in ``ms`` milliseconds."""
+    """TFLOP/s of ``flop`` operations (finite, >= 0) done in ``ms`` milliseconds (finite, > 0); ValueError else."""
+    if not (math.isfinite(flop) and flop >= 0 and math.isfinite(ms) and ms > 0):
+        raise ValueError(f"tflops needs flop >= 0 and ms > 0, both finite; got flop={flop!r}, ms={ms!r}")
     return flop / (ms * 1e-3) / 1e12
 
 

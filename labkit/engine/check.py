@@ -8,7 +8,10 @@ Used in: 01_setup_and_comparison (through ``lk.attention``).
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 
+import numpy as np
 import torch
 
 from labkit.engine.kernels import BACKENDS, AttentionInputError, static_problem
@@ -31,9 +34,39 @@ def _check_finite(q, k, v) -> None:
                                   "lk.precision's NaN monitor), or pass nan_policy='ignore' to skip this check.")
 
 
+def check_causal(causal) -> bool:
+    """``causal`` as a Python bool; TypeError unless it is one (or a numpy bool): ``"False"`` is not False."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool (True or False), got {type(causal).__name__} {causal!r}")
+    return bool(causal)
+
+
+def check_scale(scale) -> None:
+    """``scale`` is None (1/sqrt(D)) or a finite positive number: TypeError for another type, ValueError else."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be None (1/sqrt(D)) or a number, got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be None (1/sqrt(D)) or a finite number > 0, e.g. 0.125; got {scale!r}")
+
+
+def check_count(name: str, value) -> int:
+    """A size that is counted (a batch, a length): a non-negative int (numpy ints too), as ``int``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 0, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value}")
+    return int(value)
+
+
 def validate(q, k, v, *, causal: bool = False, backend: str = "auto", layout: str = "bhnd",
-             nan_policy: str = "raise") -> None:
-    """Raise AttentionInputError, naming the fix, if ``attention`` cannot take these inputs."""
+             nan_policy: str = "raise", scale: float | None = None) -> None:
+    """Raise AttentionInputError, naming the fix, if ``attention`` cannot take these inputs (TypeError for a
+    ``causal`` that is not a bool or a ``scale`` that is not a number, ValueError for a NaN, infinite or
+    non-positive ``scale``)."""
+    check_causal(causal)
+    check_scale(scale)
     _check_choice("backend", backend, BACKENDS + ("auto",))
     _check_choice("layout", layout, LAYOUTS)
     _check_choice("nan_policy", nan_policy, NAN_POLICIES)

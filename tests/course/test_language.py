@@ -2,7 +2,7 @@
 
 Checked: the student notebooks (every cell), the solution notebooks (model answers and printed
 strings are student-facing too: the instructor returns them as feedback), labkit's source (its
-printed notices and test-cell messages) and the stored reference run's outputs.
+printed notices and test-cell messages), the stored reference run's outputs and the student bundle's README.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def student_facing_files():
     yield from sorted(ROOT.glob("solutions/*/*.ipynb"))
     yield from sorted(p for p in ROOT.glob("labkit/**/*.py") if "__pycache__" not in p.parts)
     yield from sorted(ROOT.glob("labkit/**/reference_runs/*.json"))
+    yield ROOT / "labkit" / "course" / "student" / "README.md"   # the student bundle's README
 
 
 FILES = list(student_facing_files())

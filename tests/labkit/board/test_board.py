@@ -57,7 +57,10 @@ def test_each_submission_gets_its_status(boards, assignment):
     assert list(csv["status"]) == sorted(csv["status"], key=boardreport.ORDER.get), "ranked: ok first"
     page = (out / "board.html").read_text(encoding="utf-8")
     assert all(s in page for s in expected) and "correctness only" in page
-    assert (out / "logs" / "ok.log").exists()
+    assert "NA&gt;" not in page and "<NA>" not in page, "an unranked student's rank is an empty cell"
+    ok_log = (out / "logs" / "ok.log").read_text(encoding="utf-8")
+    assert "--- cell " in ok_log and "Traceback" not in ok_log and ok_log.endswith("--- board: ok\n")
+    assert (out / "logs" / "_probe.log").read_text(encoding="utf-8").startswith("--- cell ")
 
 
 def test_06_a_forward_without_triton_is_flagged(boards):
@@ -71,6 +74,18 @@ def test_08_statuses_name_their_cause(boards):
     assert f"{LIMIT} s" in table.loc["timeout", "detail"]
     assert "labkit.core.measure.time_interleaved" in table.loc["tamper", "detail"]
     assert "lens=" in table.loc["wrong", "detail"], "the wrong answer is named with the shape that showed it"
+
+
+def test_08_each_log_holds_its_own_run(boards):
+    _, out = boards["08_decode_attention"]
+    logs = {s: (out / "logs" / f"{s}.log").read_text(encoding="utf-8") for s in STUDENTS["08_decode_attention"]}
+    error = logs["error"]
+    assert "Traceback (most recent call last)" in error and 'File "<cell-' in error, error[-2000:]
+    assert "BLOCK_SPLIT = block_size_for(64)" in error and "NameError: name 'block_size_for'" in error
+    assert error.rstrip().splitlines()[-1].startswith("--- board: error: cell ")
+    assert logs["wrong"].rstrip().splitlines()[-1].startswith("--- board: wrong: ")
+    assert logs["timeout"].rstrip().splitlines()[-1] == f"--- board: timeout: past the {LIMIT} s limit"
+    assert len(set(logs.values())) == len(logs), "no two students' logs are the same"
 
 
 def test_cells_to_run_skip_tests_demos_and_everything_after_the_kernels():
@@ -172,6 +187,7 @@ def test_report_ranks_scores_and_draws_the_library_as_lines(tmp_path):
                                   assignment="06_triton_flashattention", gpu=True)
     text = page.read_text(encoding="utf-8")
     assert "<svg" in text and "fa4 (59%)" in text and "TFLOP/s" in text
+    assert "NA&gt;" not in text and text.count("<tr><td></td><td>") == 2, "the unranked rows: an empty rank cell"
 
 
 def test_anonymous_names_are_stable_per_seed_and_hide_the_id():
@@ -227,3 +243,17 @@ def test_command_line_anonymizes_and_writes_the_board(tmp_path, capsys):
     assert alias in printed and "flagged" in printed and "correctness only" in printed
     csv = pd.read_csv(tmp_path / "out" / "board.csv")
     assert list(csv["student"]) == [alias] and (tmp_path / "out" / "logs" / f"{alias}.log").exists()
+
+
+def test_a_memory_limit_too_small_for_the_runtime_is_the_boards_own_error(tmp_path, capsys):
+    from labkit.__main__ import main
+
+    write_submitted(tmp_path / "submitted", "08_decode_attention", ["ok"])
+    argv = ["board", "08_decode_attention", "--submitted", str(tmp_path / "submitted"), "--out",
+            str(tmp_path / "out"), "--cpu", "--seed", "1", "--memory-gb", "0.5", "--timeout", str(LIMIT)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m labkit board: error: "), err
+    assert "--memory-gb 0.5" in err[0] and "no student was run" in err[0]
+    assert sorted(p.name for p in (tmp_path / "out" / "logs").iterdir()) == ["_probe.log"], "no student ran"
+    assert not (tmp_path / "out" / "board.csv").exists() and not (tmp_path / "out" / "board.html").exists()

@@ -105,6 +105,18 @@ def test_out_file(tmp_path):
     assert "not a file this user can write" in refusal(parse, str(tmp_path / "a file" / "r.json"))
 
 
+def test_out_zip(tmp_path):
+    (tmp_path / "a file").write_text("x")
+    parse = ca.out_zip("build/student-bundle.zip")
+    assert parse(str(tmp_path)) == tmp_path / "student-bundle.zip", "an existing folder gets the default name inside"
+    assert parse(str(tmp_path / "new" / "b.ZIP")) == tmp_path / "new" / "b.ZIP", "its folder is created later"
+    assert not (tmp_path / "new").exists(), "a check writes nothing"
+    for text in ("build", str(tmp_path / "missing"), str(tmp_path / "a file")):
+        assert refusal(parse, text) == (f"{text!r} is neither a file name ending in .zip nor an existing folder; "
+                                        "give e.g. build/student-bundle.zip or build (then student-bundle.zip inside it)")
+    assert "not a file this user can write" in refusal(parse, str(tmp_path / "a file" / "b.zip"))
+
+
 def test_argparse_answers_with_the_option_and_exit_status_2(capsys):
     parser = argparse.ArgumentParser(prog="tool")
     parser.add_argument("--seq-lens", type=ca.integers(1, "512,1024"))

@@ -1,7 +1,12 @@
-"""Tests for labkit.course.bundle: the student zip holds what students need and no solution text."""
+"""Tests for labkit.course.bundle: the student zip holds what students need and no solution text.
+
+Its README speaks to students (nothing of the instructor's tools) and every target of its Makefile works in
+the unpacked bundle: each is dry-run with ``make -n``, and ``make check`` runs for real with this Python.
+"""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,11 +22,13 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, bytes]:
-    out = tmp_path_factory.mktemp("bundle") / "student.zip"
-    proc = subprocess.run([sys.executable, "-m", "labkit", "bundle", "--root", str(ROOT), "--out", str(out)],
+    """The bundle, written by the command into an existing folder (``--out FOLDER``: the default name inside)."""
+    folder = tmp_path_factory.mktemp("bundle")
+    proc = subprocess.run([sys.executable, "-m", "labkit", "bundle", "--root", str(ROOT), "--out", str(folder)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    with zipfile.ZipFile(out) as archive:
+    assert [p.name for p in folder.iterdir()] == ["student-bundle.zip"]
+    with zipfile.ZipFile(folder / "student-bundle.zip") as archive:
         return {name: archive.read(name) for name in archive.namelist()}
 
 
@@ -38,6 +45,8 @@ def test_bundle_holds_the_student_course(built):
     assert committed and sorted(n for n in files if n.endswith(".ipynb")) == committed
     for name in committed:
         assert files[name] == (ROOT / name).read_bytes()
+    for name, source in bundle.STUDENT_FILES.items():
+        assert files[name] == (ROOT / source).read_bytes() and source not in files, "the student's, at the top only"
     modules = [p for p in (ROOT / "labkit").rglob("*.py") if "__pycache__" not in p.parts]
     assert len(modules) >= 50, f"the walk should see every labkit module, in its subpackages too: {len(modules)}"
     for module in modules:
@@ -60,14 +69,62 @@ def test_bundle_holds_no_solutions_hidden_tests_or_answers(built):
         assert "BEGIN SOLUTION" not in sources and "HIDDEN TESTS" not in sources
 
 
-def test_bundle_installs_and_imports(built, tmp_path):
+@pytest.fixture
+def unpacked(built, tmp_path) -> Path:
     for name, content in built.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(content)
+    return tmp_path / bundle.TOP_FOLDER
+
+
+def test_bundle_installs_and_imports(unpacked):
     proc = subprocess.run([sys.executable, "-c", "import labkit, sys; print(labkit.__file__)"],
-                          cwd=tmp_path / bundle.TOP_FOLDER, capture_output=True, text=True, timeout=120)
+                          cwd=unpacked, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert str(tmp_path) in proc.stdout
+    assert str(unpacked) in proc.stdout
+
+
+def test_the_readme_is_the_students(unpacked):
+    text = (unpacked / "README.md").read_text(encoding="utf-8")
+    instructor = [w for w in ("board", "nbgrader", "autograde", "solutions/", "hidden", "make test", "make release")
+                  if w in text.lower()]
+    assert not instructor, f"the student README speaks of the instructor's tools: {instructor}"
+    for step in ("make setup", "make lab", "make check", ".ipynb", "安裝（install）", "繳交（submit）"):
+        assert step in text, f"the student README should say {step!r}"
+    assert len(text.encode()) < 10_000, "a page for students, not the instructor's README"
+
+
+def _targets(makefile: Path) -> list[str]:
+    import re
+
+    return sorted(set(re.findall(r"^([a-z][\w-]*):", makefile.read_text(encoding="utf-8"), re.M)))
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_every_makefile_target_works_in_the_bundle(unpacked):
+    targets = _targets(unpacked / "Makefile")
+    assert targets == ["bench", "check", "lab", "setup"]
+    for target in targets:  # dry runs: every prerequisite exists in the bundle or has a rule
+        proc = subprocess.run(["make", "-n", target], cwd=unpacked, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, f"make -n {target}: {proc.stderr}"
+    dry = subprocess.run(["make", "-n", "check", f"PY={sys.executable}"], cwd=unpacked, capture_output=True,
+                         text=True, timeout=60)
+    assert dry.stdout.strip() == f"{sys.executable} -m labkit doctor", "with PY given, no .venv is set up"
+    env = {**os.environ, "PYTHONPATH": ""}  # the bundle's own labkit, not the repository's
+    proc = subprocess.run(["make", "check", f"PY={sys.executable}"], cwd=unpacked, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reference" in proc.stdout and "runs here" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_out_zip_gets_its_folder_created(tmp_path, capsys):
+    from labkit.__main__ import main
+
+    out = tmp_path / "new" / "deeper" / "lab.zip"
+    assert main(["bundle", "--root", str(ROOT), "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    with zipfile.ZipFile(out) as archive:
+        assert f"{bundle.TOP_FOLDER}/README.md" in archive.namelist()
 
 
 def _fake_course(tmp_path: Path) -> Path:
@@ -115,6 +172,6 @@ def test_missing_files_are_named(tmp_path):
 
 
 def test_the_board_stays_out_of_the_bundle():
-    files = [f.as_posix() for f in bundle.bundle_files(ROOT)]
+    files = list(bundle.bundle_files(ROOT))
     assert "labkit/core/grading.py" in files
     assert not [f for f in files if f.startswith("labkit/board")], "the board's check shapes would reach students"

@@ -4,6 +4,8 @@ A tiny course (one notebook) runs in a real ipykernel: its summary cell prints a
 prints a GPU-only notice, one raises, one reaches for the network and one calls deprecated code.
 The run must go on past each failure, record it, and write everything; in strict mode the guard
 fails the offending cells, in the default report mode it lists them and lets the cells finish.
+A cell that sleeps past the time limit is recorded with the limit and how long it ran, and the next
+notebook still runs.
 """
 from __future__ import annotations
 
@@ -24,19 +26,20 @@ CELLS = {
     "network": ("import urllib.request\ntry:\n    urllib.request.urlopen('http://example.com', timeout=2)\n"
                 "except Exception as err:\n    print('swallowed', err)", []),
     "deprecated": ("import warnings\nwarnings.warn('old API', FutureWarning)", []),
+    "slow": ("import time\ntime.sleep(60)", []),
     "after": ("import os\nprint('profile', os.environ['LABKIT_PROFILE'], 'offline', os.environ['HF_HUB_OFFLINE'])",
               ["summary"]),
 }
 
 
-def _course(root: Path, cell_ids) -> Path:
+def _course(root: Path, cell_ids, name: str = "01_tiny") -> Path:
     cells = []
     for cell_id in cell_ids:
         source, tags = CELLS[cell_id]
         cell = new_code_cell(source, id=cell_id)
         cell.metadata["tags"] = tags
         cells.append(cell)
-    path = root / "solutions" / "01_tiny" / "01_tiny.ipynb"
+    path = root / "solutions" / name / f"{name}.ipynb"
     path.parent.mkdir(parents=True)
     nbformat.write(new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                        "language": "python"}}), path)
@@ -45,7 +48,7 @@ def _course(root: Path, cell_ids) -> Path:
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
-    root = _course(tmp_path_factory.mktemp("course"), CELLS)
+    root = _course(tmp_path_factory.mktemp("course"), [c for c in CELLS if c != "slow"])
     out = root / "build"
     before = dict(os.environ)
     runs = execute.execute_all(root, out, profile="cpu", timeout=120, strict=True, progress=False)
@@ -56,7 +59,7 @@ def executed(tmp_path_factory):
 def test_every_cell_ran_and_the_copy_was_written(executed):
     runs, out = executed
     (run,) = runs
-    assert run.name == "01_tiny" and run.code_cells == len(CELLS) and run.seconds > 0
+    assert run.name == "01_tiny" and run.code_cells == len(CELLS) - 1 and run.seconds > 0
     nb = nbformat.read(out / "01_tiny.ipynb", as_version=4)
     assert all(c.execution_count for c in nb.cells), "a failing cell must not stop the run"
     assert (out / "01_tiny.html").read_text(encoding="utf-8").count("speedup 3.0x") >= 1
@@ -94,6 +97,22 @@ def test_report_mode_lists_violations_and_goes_on(tmp_path):
     assert [r.split(":")[0] for r in run.guard_reports] == ["network", "deprecated"]
     assert "example.com" in run.guard_reports[0] and "FutureWarning" in run.guard_reports[1]
     assert "**run guard** in `network: network access attempted" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_a_cell_past_its_limit_is_an_error_and_the_next_notebook_runs(tmp_path):
+    _course(tmp_path, ["after", "slow", "notice"], name="01_slow")
+    _course(tmp_path, ["after"], name="02_next")
+    slow, following = execute.execute_all(tmp_path, tmp_path / "out", profile="cpu", timeout=2, progress=False)
+    (error,) = slow.errors
+    assert (error.cell_id, error.ename) == ("slow", execute.TIMEOUT)
+    ran = float(error.evalue.split("interrupted after ")[1].split(" s")[0])
+    assert "its 2 s limit" in error.evalue and 2 <= ran < 30, error.evalue
+    assert slow.gpu_only_cells == [], "the cells after the timed-out one must not run"
+    assert following.errors == [] and following.results[0]["text"] == "profile cpu offline 1"
+    page = (tmp_path / "out" / "summary.md").read_text(encoding="utf-8")
+    assert "| 3 | slow | - | 0 |" in page
+    assert f"**error** in `slow`: {execute.TIMEOUT}: cell ran past its 2 s limit" in page
+    assert "[02_next](02_next.html)" in page
 
 
 def test_bad_arguments_are_named(tmp_path):

@@ -436,3 +436,73 @@ def test_fp32_into_half_only_kernel(backend, make_qkv):
             call(q, k, v, backend=backend)
         msg = str(info.value)
         assert "float16/bfloat16" in msg and ".to(torch.bfloat16)" in msg and "torch.autocast" in msg, msg
+
+
+# ----------------------------------------------------------------------------- causal, scale, flops: no silent misreading
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("causal", ["False", "True", 0, 1, None, [True]], ids=repr)
+def test_causal_must_be_a_bool(backend, causal, make_qkv):
+    q, k, v = make_qkv(1, 2, 16, 32)
+    for flag in (False, True):  # plans cached under causal False and True: 0 and 1 must not find them
+        attention(q, k, v, causal=flag, backend=backend)
+    with pytest.raises(TypeError, match=r"causal must be a bool \(True or False\), got "):
+        attention(q, k, v, causal=causal, backend=backend)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        A.validate(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_causal_accepts_numpy_bools(backend, make_qkv):
+    import numpy as np
+
+    q, k, v = make_qkv(1, 2, 16, 32)
+    for flag in (False, True):
+        expected = attention(q, k, v, causal=flag, backend=backend)
+        assert torch.equal(attention(q, k, v, causal=np.bool_(flag), backend=backend), expected)
+    assert max_err(attention(q, k, v, causal=np.True_, backend=backend),
+                   attention(q, k, v, causal=False, backend=backend)) > 1e-3, "np.True_ masks"
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("scale, error", [(float("nan"), ValueError), (float("inf"), ValueError), (0.0, ValueError),
+                                          (-0.125, ValueError), ("0.125", TypeError), (True, TypeError)], ids=repr)
+def test_scale_must_be_finite_and_positive(backend, scale, error, make_qkv):
+    q, k, v = make_qkv(1, 2, 16, 32)
+    for _ in range(2):  # the first call builds the plan, the second finds it cached: both check
+        with pytest.raises(error, match=r"scale must be None \(1/sqrt\(D\)\) or a"):
+            attention(q, k, v, scale=scale, backend=backend)
+    with pytest.raises(error, match="scale must be None"):
+        A.validate(q, k, v, scale=scale)
+    import numpy as np
+
+    assert torch.equal(attention(q, k, v, scale=np.float32(0.25), backend=backend),
+                       attention(q, k, v, scale=0.25, backend=backend))
+
+
+@pytest.mark.parametrize("args, kwargs, error, text", [
+    ((-1, 3, 128, 64), {}, ValueError, "batch must be an int >= 0, got -1"),
+    ((2, -3, 128, 64), {}, ValueError, "heads must be an int >= 0, got -3"),
+    ((2, 3, -128, 64), {}, ValueError, "n must be an int >= 0, got -128"),
+    ((2, 3, 128, -64), {}, ValueError, "head_dim must be an int >= 0, got -64"),
+    ((2, 3, 128, 64), dict(nk=-1), ValueError, "nk must be an int >= 0, got -1"),
+    ((2, 3, 128.5, 64), {}, TypeError, "n must be an int >= 0, got float 128.5"),
+    ((2, 3, 128, 64), dict(causal="False"), TypeError, "causal must be a bool"),
+], ids=["batch", "heads", "n", "head_dim", "nk", "float", "causal"])
+def test_flops_sizes_are_non_negative_ints(args, kwargs, error, text):
+    with pytest.raises(error) as info:
+        A.flops(*args, **kwargs)
+    assert text in str(info.value)
+
+
+def test_flops_takes_numpy_ints_and_zero():
+    import numpy as np
+
+    assert A.flops(np.int64(2), 3, 128, 64, nk=np.int32(256)) == 4 * 2 * 3 * 128 * 256 * 64
+    assert A.flops(0, 3, 128, 64) == 0
+
+
+@pytest.mark.parametrize("flop, ms", [(-1.0, 1.0), (1e9, 0.0), (1e9, -2.0), (float("nan"), 1.0), (1e9, float("inf"))])
+def test_tflops_refuses_negative_or_non_finite(flop, ms):
+    with pytest.raises(ValueError, match="tflops needs flop >= 0 and ms > 0, both finite"):
+        lk.bench.tflops(flop, ms)
