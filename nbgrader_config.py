@@ -1,4 +1,9 @@
 """nbgrader settings for the course: the instructor edits solutions/, students get notebooks/."""
+from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import CheckCellMetadata, ClearOutput, DeduplicateIds, GetGrades, OverwriteKernelspec
+
+from labkit.course.nbgrader_plugins import FeedbackWithoutHiddenTests, RestoreHiddenTests
+
 c = get_config()  # noqa: F821 (provided by nbgrader)
 
 c.CourseDirectory.source_directory = "solutions"
@@ -21,3 +26,11 @@ c.ClearSolutions.code_stub = {
     "python": "# YOUR CODE HERE\nraise NotImplementedError()",
 }
 c.ClearSolutions.text_stub = "請在此作答（YOUR ANSWER HERE）"
+
+# Hidden tests stay hidden (labkit/course/nbgrader_plugins.py): the feedback HTML shows no hidden test,
+# in a cell's source or in a traceback, and autograde puts them back into an unedited test cell without
+# reporting "checksum has changed" (left for test cells a student edited).
+c.GenerateFeedback.preprocessors = [GetGrades, CSSHTMLHeaderPreprocessor, FeedbackWithoutHiddenTests]
+# nbgrader 0.9.6's sanitize list with OverwriteCells replaced:
+c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec, RestoreHiddenTests,
+                                      CheckCellMetadata]
