@@ -1,15 +1,15 @@
 """An instructor's term through nbgrader's own exchange, and what nbgrader_config.py's plugins change in it.
 
 One temporary folder holds the course (assignment 01, the cheapest to execute on the cpu profile), its
-exchange (``c.Exchange.root`` of nbgrader_config.py: exchange/ beside the config), the instructor's HOME and
-one HOME per student. A module-scoped fixture runs, with the files checked where nbgrader puts them at each
-step: generate_assignment, release_assignment, fetch_assignment and submit for two students (each in their
+exchange (``c.Exchange.root`` of nbgrader_config.py: exchange/ beside the config, made 1777 as the README
+says), the instructor's HOME and one HOME per student. A module-scoped fixture runs, with the files checked
+where nbgrader puts them at each step: generate_assignment, release_assignment, fetch_assignment and submit for two students (each in their
 own HOME, as their own student id, given the exchange root and course id on the command line), collect,
 autograde, generate_feedback, release_feedback, fetch_feedback. The two submissions: ``blank`` (the release,
 untouched) and ``wrong``: exercise 1 has the classic ``scale or ...`` bug (a visible test fails) and its test
 cell was replaced with ``pass`` (restored by autograde); exercise 2 is right for every dtype the visible tests
-try and wrong for the others (only hidden tests fail). The nbgrader runs take ~100 s of CPU, of which ~35 s
-per executed notebook; on a busy 2-core machine the wall time is two to three times that.
+try and wrong for the others (only hidden tests fail). The fixture's 11 nbgrader runs took 131 s of CPU
+(365 s of wall time on a 2-core machine at load 6-7); autograde executes the notebook once per student.
 """
 from __future__ import annotations
 
@@ -71,6 +71,8 @@ def term(tmp_path_factory):
     config = PyFileConfigLoader("nbgrader_config.py", path=str(course)).load_config()
     exchange, course_id = Path(config.Exchange.root), config.CourseDirectory.course_id
     assert exchange == course / "exchange", f"the course's exchange root moved: {exchange}"
+    exchange.mkdir(mode=0o755)          # as the README sets one up: world-writable with the sticky bit, as /tmp
+    exchange.chmod(0o1777)
     home = {who: tmp / "home" / who for who in ("instructor", *STUDENTS)}
     for path in home.values():
         path.mkdir(parents=True)
@@ -80,7 +82,8 @@ def term(tmp_path_factory):
     run_nbgrader(course, "generate_assignment", A)
     release_path = course / "notebooks" / A / f"{A}.ipynb"
     release = load(release_path)
-    run_nbgrader(course, "release_assignment", A, env=instructor)
+    released = run_nbgrader(course, "release_assignment", A, env=instructor)
+    assert "exchange directory" not in released.stdout + released.stderr, "nbgrader rejected the exchange root"
     outbound = exchange / course_id / "outbound" / A / f"{A}.ipynb"
     assert outbound.read_bytes() == release_path.read_bytes(), "release_assignment did not publish the release"
 
@@ -186,5 +189,5 @@ def test_students_fetch_the_feedback_the_instructor_generated(term):
 @pytest.mark.slow
 def test_the_exchange_stays_in_the_course(term):
     assert SYSTEM_EXCHANGE.exists() == term.system_exchange_existed, f"nbgrader touched {SYSTEM_EXCHANGE}"
-    # nbgrader makes its exchange root world-writable: the README says so and how to set one up on a server
-    assert _mode(term.exchange) == 0o777
+    # nbgrader accepts a world-writable root with the sticky bit and leaves it so (README, Instructor workflow)
+    assert _mode(term.exchange) == 0o1777
