@@ -14,7 +14,7 @@ Two consequences this module handles:
   first when the submitted source is exactly the release's (the gradebook source with its hidden-test
   regions removed), so the warning is left for cells a student really edited.
 
-Used in: nbgrader_config.py; tests/course/test_nbgrader_feedback.py runs both through nbgrader.
+Used in: nbgrader_config.py; tests/course/test_nbgrader_term.py runs both through nbgrader.
 """
 from __future__ import annotations
 

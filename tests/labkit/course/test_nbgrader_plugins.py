@@ -1,4 +1,4 @@
-"""labkit.course.nbgrader_plugins on single cells; tests/course/test_nbgrader_feedback.py runs them through nbgrader."""
+"""labkit.course.nbgrader_plugins on single cells; tests/course/test_nbgrader_term.py runs them through nbgrader."""
 from __future__ import annotations
 
 import logging
