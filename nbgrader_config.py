@@ -1,9 +1,22 @@
 """nbgrader settings for the course: the instructor edits solutions/, students get notebooks/."""
+from pathlib import Path
+
+from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import CheckCellMetadata, ClearOutput, DeduplicateIds, GetGrades, OverwriteKernelspec
+
+from labkit.course.nbgrader_plugins import FeedbackWithoutHiddenTests, RestoreHiddenTests
+
 c = get_config()  # noqa: F821 (provided by nbgrader)
 
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "notebooks"
 c.CourseDirectory.db_url = "sqlite:///gradebook.db"
+# nbgrader's exchange (release_assignment, fetch_assignment, submit, collect, release_feedback, fetch_feedback):
+# this course's name in it, and where it is. The default root is exchange/ beside this file, for one account;
+# on a shared server point it at a directory every student can reach (README, Instructor workflow) and give
+# the students the same two settings. release_assignment makes the root world-writable (0o777) if it is not.
+c.CourseDirectory.course_id = "lab-1.5-flashattention"
+c.Exchange.root = str(Path(__file__).resolve().parent / "exchange")
 # Files a solution run leaves beside its notebook (notebook 04's profiler traces) stay out of the release.
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "traces"]
 
@@ -21,3 +34,11 @@ c.ClearSolutions.code_stub = {
     "python": "# YOUR CODE HERE\nraise NotImplementedError()",
 }
 c.ClearSolutions.text_stub = "請在此作答（YOUR ANSWER HERE）"
+
+# Hidden tests stay hidden (labkit/course/nbgrader_plugins.py): the feedback HTML shows no hidden test,
+# in a cell's source or in a traceback, and autograde puts them back into an unedited test cell without
+# reporting "checksum has changed" (left for test cells a student edited).
+c.GenerateFeedback.preprocessors = [GetGrades, CSSHTMLHeaderPreprocessor, FeedbackWithoutHiddenTests]
+# nbgrader 0.9.6's sanitize list with OverwriteCells replaced:
+c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec, RestoreHiddenTests,
+                                      CheckCellMetadata]

@@ -27,11 +27,13 @@ def nbgrader_cells(nb: dict, **flags) -> list[dict]:
             if all(c.get("metadata", {}).get("nbgrader", {}).get(k) == v for k, v in flags.items())]
 
 
-def run_nbgrader(course: Path, *args: str, force: bool = True, check: bool = True) -> subprocess.CompletedProcess:
-    """``nbgrader ARGS [--force]`` in ``course``; with ``check``, a non-zero exit fails the test."""
+def run_nbgrader(course: Path, *args: str, force: bool = True, check: bool = True,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``nbgrader ARGS [--force]`` in ``course`` (any working directory), with ``env`` added to the environment;
+    with ``check``, a non-zero exit fails the test."""
     # nbgrader runs `alembic` from PATH when it creates the gradebook: put this venv first.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env = dict(os.environ, PATH=path, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PATH=path, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "nbgrader", *args, *(["--force"] if force else [])], cwd=course,
                           env=env, capture_output=True, text=True, timeout=1200)
     if check:
