@@ -1,10 +1,17 @@
 """nbgrader settings for the course: the instructor edits solutions/, students get notebooks/."""
+import importlib.util
 from pathlib import Path
 
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.preprocessors import CheckCellMetadata, ClearOutput, DeduplicateIds, GetGrades, OverwriteKernelspec
 
-from labkit.course.nbgrader_plugins import FeedbackWithoutHiddenTests, RestoreHiddenTests
+# The course's preprocessors, loaded from their file: `import labkit` would load torch (seconds of CPU) in every
+# nbgrader command, and this module needs only nbgrader.
+_spec = importlib.util.spec_from_file_location(
+    "labkit_nbgrader_plugins", Path(__file__).resolve().parent / "labkit" / "course" / "nbgrader_plugins.py")
+_plugins = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_plugins)
+FeedbackWithoutHiddenTests, RestoreHiddenTests = _plugins.FeedbackWithoutHiddenTests, _plugins.RestoreHiddenTests
 
 c = get_config()  # noqa: F821 (provided by nbgrader)
 
