@@ -5,8 +5,10 @@ Tests marked ``@pytest.mark.gpu`` need CUDA; they are skipped automatically wher
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import re
 
 os.environ.setdefault("MPLBACKEND", "Agg")  # before anything imports matplotlib: no display in tests
 
@@ -40,6 +42,47 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+# The slowest work units of `make test` (pytest -n 2 --dist loadfile), slowest first: started first, so that the
+# two workers end together instead of one starting a long unit after the other ran out of work. Measured on the
+# 2-core CI machine; a unit not listed starts after these, the larger ones (more items) first.
+SLOWEST_FIRST = ("tests/course/test_grader_strength.py::nb06", "tests/course/test_grader_strength.py::nb09",
+                 "solutions/06_", "solutions/09_", "tests/course/test_notebooks.py",
+                 "tests/course/test_grader_strength.py::nb08", "tests/course/test_grading_robustness.py",
+                 "tests/course/test_nbgrader_term.py", "tests/labkit/board/test_board.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit an item runs in: its file (a notebook's nbval cells share one kernel, a module's fixtures are built
+    once), except that test_grader_strength.py splits by notebook (``...::nb06``: each notebook graded once, on one
+    worker), so that its slowest notebooks run on both workers."""
+    file, _, rest = nodeid.partition("::")
+    notebook = re.search(r"\[(nb\d\d)\]$", rest)
+    return f"{file}::{notebook.group(1)}" if file.endswith("test_grader_strength.py") and notebook else file
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """For ``--dist loadfile``: xdist's scheduling by file, with :func:`work_unit`'s units in SLOWEST_FIRST order."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    def rank(unit: str) -> int:
+        return next((i for i, slow in enumerate(SLOWEST_FIRST) if unit.startswith(slow)), len(SLOWEST_FIRST))
+
+    class ByUnit(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "ordered", False):   # the first assignment: slowest units first, then larger ones
+                self.workqueue = collections.OrderedDict(
+                    sorted(self.workqueue.items(), key=lambda unit: (rank(unit[0]), -len(unit[1]))))
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return ByUnit(config, log)
 
 
 def seeded_randn(*shape: int, seed: int, dtype=torch.float32, device="cpu") -> torch.Tensor:

@@ -105,7 +105,8 @@ def test_out_file(tmp_path):
     assert "not a file this user can write" in refusal(parse, str(tmp_path / "a file" / "r.json"))
 
 
-def test_out_zip(tmp_path):
+def test_out_zip(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # "build" below is a folder that does not exist (a checkout may have one)
     (tmp_path / "a file").write_text("x")
     parse = ca.out_zip("build/student-bundle.zip")
     assert parse(str(tmp_path)) == tmp_path / "student-bundle.zip", "an existing folder gets the default name inside"
