@@ -62,6 +62,7 @@ def work_unit(nodeid: str) -> str:
     return f"{file}::{notebook.group(1)}" if file.endswith("test_grader_strength.py") and notebook else file
 
 
+@pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook: unknown (and skipped) without xdist
 def pytest_xdist_make_scheduler(config, log):
     """For ``--dist loadfile``: xdist's scheduling by file, with :func:`work_unit`'s units in SLOWEST_FIRST order."""
     if config.getoption("dist") != "loadfile":

@@ -69,6 +69,11 @@ def _broken_submission(perfect: dict) -> dict:
     return broken
 
 
+# A submission whose first answer raises is graded by nbgrader's machinery alike in every notebook: tried in the
+# quickest one only (each autograded submission runs the whole notebook: minutes on two cores).
+BROKEN_TRIED_IN = "04_performance_analysis"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
 def test_autograde_round_trip(tmp_path, assignment):
@@ -76,7 +81,10 @@ def test_autograde_round_trip(tmp_path, assignment):
     run_nbgrader(course, "generate_assignment", assignment)
     release = load(course / "notebooks" / assignment / f"{assignment}.ipynb")
     perfect = perfect_submission(release, load(course / "solutions" / assignment / f"{assignment}.ipynb"))
-    for student, nb in {"perfect": perfect, "blank": release, "broken": _broken_submission(perfect)}.items():
+    students = {"perfect": perfect, "blank": release}
+    if assignment == BROKEN_TRIED_IN:
+        students["broken"] = _broken_submission(perfect)
+    for student, nb in students.items():
         submit(course, student, assignment, nb)
     run_nbgrader(course, "autograde", assignment)
 
@@ -84,8 +92,9 @@ def test_autograde_round_trip(tmp_path, assignment):
     assert max_score > 0 and score == max_score, f"perfect submission scored {score}/{max_score}"
     blank_score, _, blank_total = scores(course, assignment, "blank")
     assert blank_score == 0 and blank_total == 0, f"blank release scored {blank_score}"
-    broken_score, _, _ = scores(course, assignment, "broken")
-    assert 0 <= broken_score < max_score, f"broken submission scored {broken_score}/{max_score}"
+    if "broken" in students:
+        broken_score, _, _ = scores(course, assignment, "broken")
+        assert 0 <= broken_score < max_score, f"broken submission scored {broken_score}/{max_score}"
     graded = course / "autograded" / "perfect" / assignment / f"{assignment}.ipynb"
     errors = [o for c in load(graded)["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert not errors, f"perfect submission raised: {errors[0]['ename']}: {errors[0]['evalue']}"
