@@ -5,10 +5,10 @@ from pathlib import Path
 from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.preprocessors import CheckCellMetadata, ClearOutput, DeduplicateIds, GetGrades, OverwriteKernelspec
 
-# The course's preprocessors, loaded from their file: `import labkit` would load torch (seconds of CPU) in every
-# nbgrader command, and this module needs only nbgrader.
-_spec = importlib.util.spec_from_file_location(
-    "labkit_nbgrader_plugins", Path(__file__).resolve().parent / "labkit" / "course" / "nbgrader_plugins.py")
+# The course's preprocessors, loaded from labkit's file without importing labkit: `import labkit` would load torch
+# (seconds of CPU) in every nbgrader command, and they need only nbgrader. find_spec locates, it runs nothing.
+_labkit = Path(importlib.util.find_spec("labkit").submodule_search_locations[0])
+_spec = importlib.util.spec_from_file_location("labkit_nbgrader_plugins", _labkit / "course" / "nbgrader_plugins.py")
 _plugins = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_plugins)
 FeedbackWithoutHiddenTests, RestoreHiddenTests = _plugins.FeedbackWithoutHiddenTests, _plugins.RestoreHiddenTests
