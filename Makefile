@@ -14,7 +14,7 @@ ASSIGNMENTS := $(notdir $(wildcard solutions/[0-9]*))
 # JupyterLab refuses to start as root (most GPU containers and cloud images) without --allow-root.
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test test-latest lock release doctor bench execute reference bundle board
+.PHONY: setup lab check test test-latest lock release doctor bench execute reference bundle board
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml $(LOCK)
@@ -24,6 +24,10 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 
 lab: setup            ## open the course in JupyterLab
 	$(VENV)/bin/jupyter lab notebooks/ $(ALLOW_ROOT)
+
+check: setup          ## is the install working: which backends run here, then labkit's floor and attention engine tests
+	$(PY) -m labkit doctor
+	LABKIT_PROFILE=cpu OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:xdist tests/labkit/core tests/labkit/engine/test_attention.py
 
 test: setup           ## unit tests, release consistency, autograde round trip, solution notebooks (cpu profile)
 	LABKIT_LOCK=$(LOCK) LABKIT_PROFILE=cpu HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile tests/ \
