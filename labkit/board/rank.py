@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def _statements(source: str) -> str:
     """The kept statements of ``source`` (:func:`_kept`), decorators included, each at its own lines."""
     lines = source.splitlines(True)
     parts = []
-    for node in ast.parse(source).body:
+    for node in _parse(source).body:
         if _kept(node):
             first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
             parts.append("".join(lines[first - 1:node.end_lineno]))
@@ -81,6 +82,16 @@ def _statements(source: str) -> str:
 def _no_magics(source: str) -> str:
     return "".join(line if not line.lstrip().startswith(("%", "!")) else
                    line[:len(line) - len(line.lstrip())] + "pass\n" for line in source.splitlines(True))
+
+
+# Students are read in a thread pool; CPython 3.11 before 3.11.8 can raise a spurious "AST constructor recursion
+# depth mismatch" SystemError when two threads parse at once (python/cpython#106905). One parse at a time.
+_PARSING = threading.Lock()
+
+
+def _parse(source: str) -> ast.Module:
+    with _PARSING:
+        return ast.parse(source)
 
 
 def cells_to_run(notebook: dict, graded: tuple[str, ...]) -> list[dict]:
@@ -100,7 +111,7 @@ def cells_to_run(notebook: dict, graded: tuple[str, ...]) -> list[dict]:
             except SyntaxError:
                 continue
         try:
-            tree = ast.parse(source)
+            tree = _parse(source)
         except SyntaxError:
             tree = None                                                   # an answer that does not parse: its error
         if tree and {n.name for n in tree.body if hasattr(n, "name")} & set(graded):
