@@ -11,6 +11,7 @@ The solution notebooks themselves are executed by nbval (see the README's test c
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from labkit.course.bundle import MARKERS
@@ -22,11 +23,25 @@ def test_there_are_assignments():
     assert ASSIGNMENTS, "no solutions/NN_slug/NN_slug.ipynb found"
 
 
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """``released(assignment)``: a temporary course where ``nbgrader generate_assignment`` ran, once per assignment
+    (the release test reads it, the round trip then grades in it)."""
+    courses = {}
+
+    def course_of(assignment: str) -> Path:
+        if assignment not in courses:
+            courses[assignment] = make_course(tmp_path_factory.mktemp(assignment), assignment)
+            run_nbgrader(courses[assignment], "generate_assignment", assignment)
+        return courses[assignment]
+
+    return course_of
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
-def test_release_is_regenerated_from_solutions(tmp_path, assignment):
-    course = make_course(tmp_path, assignment)
-    run_nbgrader(course, "generate_assignment", assignment)
+def test_release_is_regenerated_from_solutions(released, assignment):
+    course = released(assignment)
     fresh = course / "notebooks" / assignment / f"{assignment}.ipynb"
     committed = ROOT / "notebooks" / assignment / f"{assignment}.ipynb"
     assert committed.exists(), f"run `make release`: {committed} is missing"
@@ -76,9 +91,8 @@ BROKEN_TRIED_IN = "04_performance_analysis"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
-def test_autograde_round_trip(tmp_path, assignment):
-    course = make_course(tmp_path, assignment)
-    run_nbgrader(course, "generate_assignment", assignment)
+def test_autograde_round_trip(released, assignment):
+    course = released(assignment)
     release = load(course / "notebooks" / assignment / f"{assignment}.ipynb")
     perfect = perfect_submission(release, load(course / "solutions" / assignment / f"{assignment}.ipynb"))
     students = {"perfect": perfect, "blank": release}
