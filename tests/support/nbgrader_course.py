@@ -1,6 +1,7 @@
 """Helpers for tests that run real nbgrader commands in a temporary course directory.
 
-Used by test_notebooks.py (release and round trip) and test_grading_robustness.py; pytest puts
+Used by test_notebooks.py (release and round trip), test_grading_robustness.py and test_nbgrader_term.py (these
+two with tiny_assignment.py's notebook) and tiny_assignment.py; pytest puts
 tests/ on sys.path (rootdir conftest, no __init__.py), so they import this as ``nbgrader_course``.
 """
 from __future__ import annotations
@@ -22,6 +23,13 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def write(path: Path, nb: dict) -> Path:
+    """Write the notebook ``nb`` as ``path``, making its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb), encoding="utf-8")
+    return path
+
+
 def nbgrader_cells(nb: dict, **flags) -> list[dict]:
     return [c for c in nb["cells"]
             if all(c.get("metadata", {}).get("nbgrader", {}).get(k) == v for k, v in flags.items())]
@@ -41,10 +49,14 @@ def run_nbgrader(course: Path, *args: str, force: bool = True, check: bool = Tru
     return proc
 
 
-def make_course(tmp_path: Path, assignment: str) -> Path:
-    """A temporary course directory holding one assignment's source and the course config."""
+def make_course(tmp_path: Path, assignment: str, source: dict | None = None) -> Path:
+    """A temporary course directory holding the course config and one assignment's source: the course's
+    ``solutions/<assignment>``, or the nbgrader source notebook ``source`` written there."""
     course = tmp_path / "course"
-    shutil.copytree(ROOT / "solutions" / assignment, course / "solutions" / assignment)
+    if source is None:
+        shutil.copytree(ROOT / "solutions" / assignment, course / "solutions" / assignment)
+    else:
+        write(course / "solutions" / assignment / f"{assignment}.ipynb", source)
     shutil.copy(ROOT / "nbgrader_config.py", course)
     return course
 
@@ -61,10 +73,7 @@ def perfect_submission(release: dict, solution: dict) -> dict:
 
 def submit(course: Path, student: str, assignment: str, nb: dict, name: str | None = None) -> Path:
     """Write ``nb`` as submitted/<student>/<assignment>/<name or assignment>.ipynb."""
-    target = course / "submitted" / student / assignment / f"{name or assignment}.ipynb"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(nb), encoding="utf-8")
-    return target
+    return write(course / "submitted" / student / assignment / f"{name or assignment}.ipynb", nb)
 
 
 def scores(course: Path, assignment: str, student: str) -> tuple[float, float, float]:
