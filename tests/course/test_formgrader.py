@@ -58,7 +58,7 @@ def course(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def formgrader(course, chromium, tmp_path_factory):
+def formgrader(chromium, course, tmp_path_factory):  # chromium first: without it, no nbgrader runs
     """``jupyter server`` in the course directory, Chromium logged in to it: yields the base URL.
 
     The browser logs in as an instructor does, on a server page (the token in the URL sets the login cookie
@@ -96,7 +96,7 @@ def test_formgrader_lists_the_assignment(formgrader, chromium, tmp_path):
     assert_drawn(png, shot)
 
 
-def test_manual_grading_shows_the_written_answer(course, formgrader, chromium, tmp_path):
+def test_manual_grading_shows_the_written_answer(formgrader, course, chromium, tmp_path):
     path, grade_id, answer = course
     first_line = answer.strip().splitlines()[0]
     with open_page(chromium, f"{formgrader}/formgrader/submissions/{submission_id(path)}/") as page:
