@@ -9,38 +9,30 @@ JupyterLab has drawn its cells, then checks the DOM (cell count, the Chinese tit
 and checks that merely opening the notebook left its file and folder as they were. A control notebook
 with incomplete kernel metadata shows that autosave did run in that time, and what JupyterLab writes.
 
+The server and the browser come from tests/support/headless_browser.py (shared with test_formgrader.py).
 The browser tests skip where no Chromium is installed (``.ci/run`` installs Debian's ``chromium``).
 Chinese text needs a CJK font on the machine (Debian ``fonts-noto-cjk``) to show as characters
 rather than boxes; look at the saved screenshots (paths are printed, ``pytest -s``) to check.
 """
 from __future__ import annotations
 
-import base64
-import io
-import itertools
 import json
 import os
 import platform
-import secrets
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from headless_browser import (READY_TIMEOUT, assert_drawn, chromium, get_json, jupyter_server,  # noqa: F401
+                              open_page, throwaway_jupyter_dirs)
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(ROOT.glob("notebooks/[0-9]*/[0-9]*.ipynb"))
-CHROMIUM = next((p for p in ["/usr/bin/chromium", *map(shutil.which, ("chromium", "chromium-browser",
-                                                                       "google-chrome"))]
-                 if p and os.access(p, os.X_OK)), None)
 pytestmark = pytest.mark.slow
-WIDTH, HEIGHT = 1400, 1000
-READY_TIMEOUT = 90  # seconds for the server to answer, and for a notebook to render (2 busy CPU cores)
 
 AUTOSAVE_S = 2  # JupyterLab's autosave interval for the test server (seconds; JupyterLab's default is 120)
 AUTOSAVE_WAIT = 4 * AUTOSAVE_S  # after the kernel is idle: long enough for JupyterLab to save a changed notebook
@@ -53,32 +45,6 @@ SETTINGS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str, method: str = "GET", timeout: float = 5):
-    """The JSON an HTTP endpoint answers (None for an empty answer, text for a non-JSON one)."""
-    with urllib.request.urlopen(urllib.request.Request(url, method=method), timeout=timeout) as r:
-        body = r.read()
-    try:
-        return json.loads(body) if body else None
-    except ValueError:  # e.g. DevTools' /json/close answers "Target is closing"
-        return body.decode(errors="replace")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def make_lab_command() -> list[str]:
     """The command ``make lab`` runs to start JupyterLab, for this interpreter's environment."""
     venv = Path(sys.prefix)
@@ -88,102 +54,19 @@ def make_lab_command() -> list[str]:
     return shlex.split(out)
 
 
-def throwaway_jupyter_dirs(tmp: Path) -> dict[str, Path]:
-    """Fresh HOME / config / data / runtime / IPython / checkpoint dirs under ``tmp``, with :data:`SETTINGS`."""
-    dirs = {name: tmp / name for name in ("home", "config", "data", "runtime", "ipython", "checkpoints")}
-    for d in dirs.values():
-        d.mkdir()
-    for name, value in SETTINGS.items():
-        path = dirs["config"] / "lab" / "user-settings" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(value))
-    return dirs
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """``make lab``'s server on a copy of notebooks/: yields (base URL, token, served root, checkpoint dir)."""
     tmp = tmp_path_factory.mktemp("jupyterlab")
-    dirs = throwaway_jupyter_dirs(tmp)
+    dirs = throwaway_jupyter_dirs(tmp, SETTINGS)
     course = tmp / "course"  # `make lab` serves ./notebooks: a copy, so autosave cannot touch the repo
     shutil.copytree(ROOT / "notebooks", course / "notebooks")
-    # JupyterLab's own assets and kernelspecs are found under sys.prefix/share/jupyter as usual.
-    env = dict(os.environ, HOME=str(dirs["home"]), JUPYTER_CONFIG_DIR=str(dirs["config"]),
-               JUPYTER_DATA_DIR=str(dirs["data"]), JUPYTER_RUNTIME_DIR=str(dirs["runtime"]),
-               IPYTHONDIR=str(dirs["ipython"]), JUPYTER_PLATFORM_DIRS="0")
-    port, token = free_port(), secrets.token_hex(16)
-    cmd = [*make_lab_command(), "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--ServerApp.port_retries=0",
-           f"--ServerApp.token={token}",
+    cmd = [*make_lab_command(),
            f"--FileCheckpoints.checkpoint_dir={dirs['checkpoints']}",  # absolute: no .ipynb_checkpoints in the tree
            "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
            "--LabApp.extension_manager=readonly"]
-    log = (tmp / "server.log").open("wb")
-    proc = subprocess.Popen(cmd, env=env, cwd=course, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:
-            try:
-                get_json(f"{base}/api/status?token={token}")
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"`{shlex.join(cmd)}` did not start a server; log:\n"
-                                f"{(tmp / 'server.log').read_text()[-3000:]}")
-                time.sleep(0.5)
+    with jupyter_server(cmd, course, dirs, tmp / "server.log") as (base, token):
         yield base, token, course / "notebooks", dirs["checkpoints"]
-    finally:
-        stop(proc)
-        log.close()
-
-
-class DevTools:
-    """The few Chrome DevTools protocol calls the test needs, over one page's websocket."""
-
-    def __init__(self, ws_url: str):
-        import websocket  # websocket-client, a dependency of jupyter_server
-
-        self.ws = websocket.create_connection(ws_url, timeout=60, suppress_origin=True)
-        self.ids = itertools.count(1)
-
-    def __call__(self, method: str, **params):
-        msg_id = next(self.ids)
-        self.ws.send(json.dumps({"id": msg_id, "method": method, "params": params}))
-        while True:  # skip events until our answer arrives
-            msg = json.loads(self.ws.recv())
-            if msg.get("id") == msg_id:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg["result"]
-
-    def evaluate(self, expression: str):
-        result = self("Runtime.evaluate", expression=expression, returnByValue=True)
-        return result["result"].get("value")
-
-    def close(self):
-        self.ws.close()
-
-
-@pytest.fixture(scope="module")
-def chromium(tmp_path_factory):
-    """A headless Chromium with a fresh profile: yields its DevTools HTTP endpoint."""
-    if CHROMIUM is None:
-        pytest.skip("no Chromium found (Debian: apt install chromium; .ci/run does it)")
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           "--disable-dev-shm-usage", f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}",
-           "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", "about:blank"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    try:
-        port_file, deadline = profile / "DevToolsActivePort", time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"{CHROMIUM} did not open its DevTools port (exit code {proc.poll()})")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port_file.read_text().split()[0]}"
-    finally:
-        stop(proc)
 
 
 def notebook_title(nb: dict) -> str:
@@ -196,35 +79,12 @@ def notebook_title(nb: dict) -> str:
     raise AssertionError("the notebook has no markdown heading")
 
 
-def blank_check(png: bytes) -> dict:
-    """Numbers that tell a drawn page from a blank one."""
-    from PIL import Image, ImageStat
-
-    img = Image.open(io.BytesIO(png)).convert("RGB")
-    colours = img.getcolors(maxcolors=img.width * img.height)
-    background = max(colours)[0]
-    return dict(size=img.size, colours=len(colours), non_background=1 - background / (img.width * img.height),
-                std=sum(ImageStat.Stat(img.convert("L")).stddev))
-
-
 # Count the open notebook's cells and read its text once JupyterLab has drawn it.
 PROBE = """(() => {
   const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
   return {cells: nb ? nb.querySelectorAll('.jp-Cell').length : 0, text: nb ? nb.innerText : '',
           fonts: document.fonts.status, spinner: !!document.querySelector('#jupyterlab-splash')};
 })()"""
-
-
-def wait_rendered(page: DevTools, n_cells: int, title: str) -> dict:
-    """Poll the page until JupyterLab has drawn ``n_cells`` cells and ``title``; the last probe."""
-    deadline, state = time.monotonic() + READY_TIMEOUT, {}
-    while time.monotonic() < deadline:
-        state = page.evaluate(PROBE) or {}
-        if state.get("cells", 0) >= n_cells and title in state.get("text", "") and state.get("fonts") == "loaded" \
-                and not state.get("spinner"):
-            break
-        time.sleep(0.5)
-    return state
 
 
 def wait_kernel_then_autosave(base: str, token: str, rel: str) -> None:
@@ -245,22 +105,17 @@ def open_in_lab(lab, chromium, path: Path) -> tuple[dict, bytes]:
     """
     base, token, served, _ = lab
     nb = json.loads(path.read_bytes())
-    rel = path.relative_to(served).as_posix()
+    rel, title, n_cells = path.relative_to(served).as_posix(), notebook_title(nb), len(nb["cells"])
     # A workspace per notebook, so tabs restored from an earlier notebook do not open too.
     url = f"{base}/lab/workspaces/test-{path.stem}/tree/{rel}?token={token}"
-    target = get_json(f"{chromium}/json/new?about:blank", method="PUT")
-    page = DevTools(target["webSocketDebuggerUrl"])
     try:
-        page("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=1, mobile=False)
-        page("Page.enable")
-        page("Page.navigate", url=url)
-        state = wait_rendered(page, len(nb["cells"]), notebook_title(nb))
-        time.sleep(1.0)  # let MathJax and the layout settle before the picture
-        png = base64.b64decode(page("Page.captureScreenshot", format="png")["data"])
-        wait_kernel_then_autosave(base, token, rel)
+        with open_page(chromium, url) as page:
+            state = page.wait_for(PROBE, lambda s: s.get("cells", 0) >= n_cells and title in s.get("text", "")
+                                  and s.get("fonts") == "loaded" and not s.get("spinner"))
+            time.sleep(1.0)  # let MathJax and the layout settle before the picture
+            png = page.screenshot()
+            wait_kernel_then_autosave(base, token, rel)
     finally:
-        page.close()
-        get_json(f"{chromium}/json/close/{target['id']}")
         for session in get_json(f"{base}/api/sessions?token={token}"):  # shut the kernel down
             get_json(f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE")
     return state, png
@@ -317,10 +172,7 @@ def test_notebook_renders_in_jupyterlab(path, lab, chromium, tmp_path):
 
     assert state.get("cells") == n_cells, f"JupyterLab drew {state.get('cells')} of {n_cells} cells ({shot})"
     assert title in state["text"], f"title {title!r} not on the page ({shot})"
-    stats = blank_check(png)
-    assert stats["size"] == (WIDTH, HEIGHT), stats
-    assert stats["colours"] > 100 and stats["non_background"] > 0.05 and stats["std"] > 20, \
-        f"the screenshot looks blank: {stats} ({shot})"
+    assert_drawn(png, shot)
     assert_opening_changed_nothing(path, nb_bytes, mtime)
     assert sorted(p.name for p in path.parent.iterdir()) == folder_before, "opening created files beside it"
     assert any(checkpoints.rglob(f"{path.stem}-checkpoint.ipynb")), "checkpoint was not redirected out of the tree"
