@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -153,6 +154,14 @@ def _error_output(ename: str, evalue: str):
     return new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"])
 
 
+def _quiet_client_log():
+    """nbclient's logger, its own and silent below CRITICAL: its "Timeout waiting for execute reply" lines are
+    said once by the summary. Not traitlets' shared logger, which other jupyter parts of the process log to."""
+    log = logging.getLogger("labkit.course.execute.nbclient")
+    log.setLevel(logging.CRITICAL)
+    return log
+
+
 def execute_one(path: Path, out: Path, *, timeout: int, progress: bool = True) -> NotebookRun:
     """Execute one notebook in a fresh kernel (cwd = its folder); write the .ipynb and .html copies.
 
@@ -179,8 +188,7 @@ def execute_one(path: Path, out: Path, *, timeout: int, progress: bool = True) -
 
     client = NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3", interrupt_on_timeout=True,
                             resources={"metadata": {"path": str(path.parent)}}, on_cell_execute=cell_start,
-                            on_cell_executed=cell_done)
-    client.log.setLevel("CRITICAL")  # its "Timeout waiting for execute reply" lines: the summary says it, once
+                            on_cell_executed=cell_done, log=_quiet_client_log())
     start = time.perf_counter()
     try:
         client.execute()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import traitlets.log
 from nbformat.v4 import new_code_cell, new_notebook
 
 from labkit.course import execute
@@ -102,7 +103,10 @@ def test_report_mode_lists_violations_and_goes_on(tmp_path):
 def test_a_cell_past_its_limit_is_an_error_and_the_next_notebook_runs(tmp_path):
     _course(tmp_path, ["after", "slow", "notice"], name="01_slow")
     _course(tmp_path, ["after"], name="02_next")
+    shared = traitlets.log.get_logger()
+    level = shared.level
     slow, following = execute.execute_all(tmp_path, tmp_path / "out", profile="cpu", timeout=2, progress=False)
+    assert shared.level == level, "execute silenced traitlets' shared logger: nbgrader's warnings in the process go too"
     (error,) = slow.errors
     assert (error.cell_id, error.ename) == ("slow", execute.TIMEOUT)
     ran = float(error.evalue.split("interrupted after ")[1].split(" s")[0])

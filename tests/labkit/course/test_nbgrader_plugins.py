@@ -51,18 +51,22 @@ class _Gradebook:
 
 
 def _restore(submitted: str, gradebook_source: str | None) -> tuple[nbformat.NotebookNode, str]:
-    """The cell RestoreHiddenTests hands on, and what it logged (read from its own logger: an nbgrader application
-    started earlier in this process may have stopped its records from reaching the root logger)."""
-    pre = RestoreHiddenTests()
-    pre.gradebook, pre.notebook_id, pre.assignment_id = _Gradebook(gradebook_source), "nb", "a"
+    """The cell RestoreHiddenTests hands on, and what it logged. It logs to a logger of this test's own: by
+    default a preprocessor logs to the running traitlets application's logger, which an nbgrader application
+    started earlier in this process may have disabled or raised above WARNING."""
     records = []
+    log = logging.getLogger(f"{__name__}.restore")
+    log.setLevel(logging.WARNING)
+    log.propagate, log.disabled = False, False
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
-    pre.log.addHandler(handler)
+    log.addHandler(handler)
+    pre = RestoreHiddenTests(log=log)
+    pre.gradebook, pre.notebook_id, pre.assignment_id = _Gradebook(gradebook_source), "nb", "a"
     try:
         cell, _ = pre.preprocess_cell(_cell(submitted), {}, 0)
     finally:
-        pre.log.removeHandler(handler)
+        log.removeHandler(handler)
     return cell, "\n".join(record.getMessage() for record in records)
 
 
