@@ -1,0 +1,173 @@
+"""The contract every graded function keeps, whatever the instance: checks a test cell runs in one line.
+
+A student's function passes the notebook's cases and still breaks in a model when it assumes more than the
+prose allows. Each check here tries one such assumption on the call the test cell already makes:
+
+- :func:`check_views`: tensors that are views (the layout of q after ``.view(B, N, H, d).transpose(1, 2)``, or
+  rows cut from a wider buffer) give the answer their contiguous copies give;
+- :func:`check_inputs_unchanged`: the call leaves every tensor it was handed as it was (no ``&=``, ``mul_``);
+- :func:`check_no_state`: the same call gives the same answer again, after a call configured differently
+  (nothing kept on the class, in a global or in a cache keyed by less than the arguments);
+- :func:`check_follows_device`: on meta tensors (no data, any machine) every tensor it makes follows the
+  inputs' device, as on a GPU, where a mask built without ``device=`` fails.
+
+:func:`check_contract` runs the first three (the fourth where the exercise is plain PyTorch). Messages name the
+rule and the likely cause, in lk.grading's style.
+
+Used in: the check modules of the notebooks (labkit/checks/nbNN*.py).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from labkit.core import grading
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or tuples, lists and dicts of them), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _named_tensors(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the tensor arguments: ``args[i]`` by position, keyword ones by name."""
+    named = [(f"第 {i + 1} 個參數", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return named + [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+
+
+def _replace(args: tuple, kwargs: dict, which: str, new: torch.Tensor) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with the argument named ``which`` (see :func:`_named_tensors`) replaced by ``new``."""
+    if which in kwargs:
+        return args, {**kwargs, which: new}
+    index = int(which.split()[1]) - 1
+    return args[:index] + (new,) + args[index + 1:], kwargs
+
+
+def transposed_layout(t: torch.Tensor) -> torch.Tensor:
+    """t [..., A, B, d] with A's and B's strides swapped (q [B, H, N, d] from ``.view(B, N, H, d).transpose(1, 2)``);
+    a 2-D t [R, C] as rows of a wider buffer. Same values, same shape, not contiguous, last stride 1."""
+    if t.dim() >= 3:
+        return t.transpose(-3, -2).contiguous().transpose(-3, -2)
+    return padded_rows(t)
+
+
+def padded_rows(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """t [..., C] as the first C columns of a [..., C + pad] buffer (NaN, or -1, in the rest): a slice's layout."""
+    fill = float("nan") if t.is_floating_point() else -1
+    buffer = torch.full((*t.shape[:-1], t.shape[-1] + pad), fill, dtype=t.dtype, device=t.device)
+    buffer[..., :t.shape[-1]] = t
+    return buffer[..., :t.shape[-1]]
+
+
+LAYOUTS = {"transpose 後的 view": transposed_layout, "切片（slice）的 view": padded_rows}
+
+
+def _differs(got, want, atol: float | None) -> str:
+    """Empty when ``got`` equals ``want`` (tensors within ``atol``, or 8 ulps of their dtype times their scale; other
+    values exactly), else what differs."""
+    got_t, want_t = _tensors(got), _tensors(want)
+    if len(got_t) != len(want_t):
+        return f"回傳了 {len(got_t)} 個張量，原本是 {len(want_t)} 個"
+    if not want_t:
+        return "" if got == want else f"得到 {got!r}，原本是 {want!r}"
+    for i, (g, w) in enumerate(zip(got_t, want_t)):
+        if g.shape != w.shape:
+            return f"第 {i + 1} 個輸出的形狀 {tuple(g.shape)}，原本是 {tuple(w.shape)}"
+        g64, w64 = g.detach().cpu().double(), w.detach().cpu().double()
+        same_nan = torch.isnan(g64) == torch.isnan(w64)
+        finite = torch.isfinite(w64)
+        scale = float(w64[finite].abs().max()) if finite.any() else 1.0
+        tol = atol if atol is not None else 8 * torch.finfo(w.dtype).eps * (1 + scale) if w.is_floating_point() else 0
+        err = (g64 - w64).abs().nan_to_num(nan=0.0)
+        err = torch.where(torch.isinf(g64) & (g64 == w64), torch.zeros_like(err), err)
+        worst = float(err.max()) if err.numel() else 0.0
+        if not bool(same_nan.all()) or worst > tol:
+            return f"第 {i + 1} 個輸出最大誤差 {worst:.3g}（NaN 位置不同：{int((~same_nan).sum())} 個）"
+    return ""
+
+
+def check_views(fn: Callable, *args, name: str, atol: float | None = None, **kwargs) -> None:
+    """``fn(*args, **kwargs)`` answers the same when each tensor argument of 2+ dims comes as a view
+    (:data:`LAYOUTS`: transposed storage, rows of a wider buffer) with the same values."""
+    want = fn(*args, **kwargs)
+    for layout, make in LAYOUTS.items():
+        for which, t in _named_tensors(args, kwargs):
+            if t.dim() < 2 or t.numel() < 2:
+                continue
+            a, kw = _replace(args, kwargs, which, make(t))
+            diff = _differs(fn(*a, **kw), want, atol)
+            grading.check_true(not diff, name=f"{name}：輸入可以是 view", detail=(
+                f"{which} 換成同值的{layout}（不連續，non-contiguous）後結果不同：{diff}。"),
+                hint="模型傳入的 q、k、v 常是 transpose 或切片後的 view。要嘛先 .contiguous()，要嘛把每個張量自己的 "
+                     ".stride() 傳給 kernel；輸出用 torch.empty(形狀) 配置，不要用 empty_like(輸入)（它沿用輸入的 stride）。")
+
+
+def check_inputs_unchanged(fn: Callable, *args, name: str, **kwargs):
+    """``fn(*args, **kwargs)`` leaves every tensor in its arguments as it was (NaN where NaN). Returns fn's result."""
+    named = _named_tensors(args, kwargs)
+    named += [(f"{k} 內的張量", t) for k, v in kwargs.items() if not isinstance(v, torch.Tensor) for t in _tensors(v)]
+    named += [(f"第 {i + 1} 個參數內的張量", t) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)
+              for t in _tensors(a)]
+    before = [t.detach().clone() for _, t in named]
+    result = fn(*args, **kwargs)
+    for (which, t), old in zip(named, before):
+        now = t.detach()
+        same = (now == old) | (now.isnan() & old.isnan()) if now.is_floating_point() else now == old
+        grading.check_true(bool(same.all()), name=f"{name}：不修改輸入", detail=(
+            f"呼叫之後，傳入的 {which} 有 {int((~same).sum())} 個元素被改了。"),
+            hint="原地（in-place）運算（&=、+=、mul_、masked_fill_、.copy_）會改到呼叫端的張量；改用不帶底線的版本，或先 .clone()。")
+    return result
+
+
+def check_no_state(call: Callable[[], object], other: Callable[[], object], *, name: str,
+                   atol: float | None = None) -> None:
+    """``call()`` and ``other()`` (the same function configured differently: another base, causal or not, another
+    block size; their answers must differ) each answer the same again after the other ran, and not each other's."""
+    first, first_other = call(), other()
+    again, again_other = call(), other()
+    hint = "設定要放在區域變數或 ctx（ctx.causal = causal），不要存在 class、全域變數或只以部分參數為鍵的快取裡。"
+    for what, diff in (("同一個呼叫", _differs(again, first, atol)), ("另一個設定的呼叫", _differs(again_other, first_other, atol))):
+        grading.check_true(not diff, name=f"{name}：不留跨呼叫的狀態", hint=hint, detail=(
+            f"{what}在中間夾了另一個呼叫之後，結果不同：{diff}。"))
+    grading.check_true(bool(_differs(first_other, first, atol)), name=f"{name}：不留跨呼叫的狀態", hint=hint, detail=(
+        "兩個設定不同的呼叫（應得到不同的結果）卻回傳同樣的答案：第二個呼叫沿用了第一個呼叫留下的設定或快取。"))
+
+
+def check_follows_device(fn: Callable, *args, name: str, **kwargs) -> None:
+    """``fn`` on meta copies of its tensor arguments makes only meta tensors: every tensor it creates follows the
+    inputs' device. For plain PyTorch answers (meta tensors hold no data: no ``.item()``, no Triton)."""
+    def meta(value):
+        if isinstance(value, torch.Tensor):
+            return value.to("meta")
+        if isinstance(value, (tuple, list)):
+            return type(value)(meta(v) for v in value)
+        return value
+
+    hint = "torch.arange / ones / zeros / full / tensor 要加 device=輸入.device：不加就建在 CPU 上，輸入在 GPU 時混用兩個裝置而出錯。"
+    try:
+        result = fn(*meta(args), **{k: meta(v) for k, v in kwargs.items()})
+    except Exception as error:  # noqa: BLE001 - any error on meta inputs: report it with the likely cause
+        grading.check_true(False, name=f"{name}：跟著輸入的裝置（device）", hint=hint, detail=(
+            f"輸入放在另一個裝置（meta，代表 GPU）時出錯：{type(error).__name__}: {str(error)[:200]}"))
+    off = [str(t.device) for t in _tensors(result) if t.device.type != "meta"]
+    grading.check_true(not off, name=f"{name}：跟著輸入的裝置（device）", hint=hint, detail=(
+        f"輸入放在另一個裝置（meta，代表 GPU）時，回傳的張量卻在 {sorted(set(off))} 上。"))
+
+
+def check_contract(fn: Callable, *args, name: str, other: Callable[[], object] | None = None, meta: bool = False,
+                   atol: float | None = None, **kwargs) -> None:
+    """:func:`check_inputs_unchanged`, :func:`check_views`, :func:`check_no_state` (when ``other`` is given) and,
+    with ``meta``, :func:`check_follows_device`, on ``fn(*args, **kwargs)``."""
+    check_inputs_unchanged(fn, *args, name=name, **kwargs)
+    check_views(fn, *args, name=name, atol=atol, **kwargs)
+    if other is not None:
+        check_no_state(lambda: fn(*args, **kwargs), other, name=name, atol=atol)
+    if meta:
+        check_follows_device(fn, *args, name=name, **kwargs)

@@ -1,0 +1,123 @@
+"""labkit.checks.contract: each check passes a function that keeps the contract and names the rule one breaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit.checks import contract
+
+
+def attention(q, k, v, causal=False):
+    """Plain attention, q [B, H, N, d], k, v [B, H, Nk, d]: keeps every rule."""
+    s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def assumes_contiguous(q, k, v, causal=False):
+    """Reads q's storage as if it were contiguous (a kernel handed q.data_ptr() without strides)."""
+    flat = torch.as_strided(q, q.shape, q.new_empty(q.shape).stride())
+    return attention(flat, k, v, causal)
+
+
+def scales_in_place(q, k, v, causal=False):
+    return attention(q.mul_(1.0), k.mul_(2.0), v, causal)
+
+
+class FirstCallWins:
+    """Keeps the first call's causal flag on the class, as a Function that stores it outside ctx would."""
+
+    causal = None
+
+    def __call__(self, q, k, v, causal=False):
+        if FirstCallWins.causal is None:
+            FirstCallWins.causal = causal
+        return attention(q, k, v, FirstCallWins.causal)
+
+
+class LastCallWins:
+    causal = False
+
+    def forward(self, q, k, v, causal=False):
+        LastCallWins.causal = causal
+        return self
+
+    def backward(self, q, k, v):
+        return attention(q, k, v, LastCallWins.causal)
+
+
+def mask_on_cpu(q, k, v, causal=True):
+    keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return torch.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+@pytest.fixture
+def qkv():
+    torch.manual_seed(0)
+    return [torch.randn(2, 3, 5, 4) for _ in range(3)]
+
+
+def test_a_function_keeping_the_contract_passes(qkv):
+    contract.check_contract(attention, *qkv, name="ex", causal=True, other=lambda: attention(*qkv), meta=True)
+
+
+@pytest.mark.parametrize("layout", list(contract.LAYOUTS.values()))
+def test_views_keep_values_and_shape_and_are_not_contiguous(layout, qkv):
+    view = layout(qkv[0])
+    assert torch.equal(view, qkv[0]) and not view.is_contiguous() and view.stride(-1) == 1
+    assert not layout(torch.zeros(3, 4)).is_contiguous()
+
+
+def test_a_function_assuming_contiguous_inputs_fails_naming_the_argument(qkv):
+    with pytest.raises(AssertionError, match=r"輸入可以是 view.*第 1 個參數.*transpose 後的 view"):
+        contract.check_views(assumes_contiguous, *qkv, name="ex")
+
+
+def test_an_input_changed_in_place_is_named(qkv):
+    with pytest.raises(AssertionError, match=r"不修改輸入.*第 2 個參數 有 120 個元素被改了"):
+        contract.check_inputs_unchanged(scales_in_place, *qkv, name="ex")
+
+
+def test_tensors_inside_lists_are_watched_too(qkv):
+    def pops(ts):
+        ts[0].zero_()
+    with pytest.raises(AssertionError, match="第 1 個參數內的張量"):
+        contract.check_inputs_unchanged(pops, list(qkv), name="ex")
+
+
+def test_no_state_passes_a_stateless_function(qkv):
+    contract.check_no_state(lambda: attention(*qkv, causal=True), lambda: attention(*qkv), name="ex")
+
+
+def test_a_setting_kept_from_the_first_call_fails(qkv):
+    FirstCallWins.causal = None
+    remembers = FirstCallWins()
+    with pytest.raises(AssertionError, match="不留跨呼叫的狀態.*沿用了第一個呼叫"):
+        contract.check_no_state(lambda: remembers(*qkv, causal=True), lambda: remembers(*qkv), name="ex")
+
+
+def test_a_setting_the_last_call_left_fails(qkv):
+    fn = LastCallWins()
+
+    def causal_then_plain_forward():
+        saved = fn.forward(*qkv, causal=True)
+        fn.forward(*qkv, causal=False)
+        return saved.backward(*qkv)
+
+    with pytest.raises(AssertionError, match="不留跨呼叫的狀態"):
+        contract.check_no_state(causal_then_plain_forward, lambda: fn.forward(*qkv).backward(*qkv), name="ex")
+
+
+def test_a_tensor_made_without_device_fails_on_meta(qkv):
+    with pytest.raises(AssertionError, match="(?s)跟著輸入的裝置.*device="):
+        contract.check_follows_device(mask_on_cpu, *qkv, name="ex")
+
+
+def test_differences_within_a_few_ulps_pass_and_larger_ones_fail():
+    x = torch.ones(4, dtype=torch.bfloat16)
+    assert contract._differs(x + 0.0078125, x, None) == ""
+    assert "最大誤差 0.25" in contract._differs(x + 0.25, x, None)
+    assert "NaN 位置不同：1" in contract._differs(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]), None)
+    assert contract._differs((1, "a"), (1, "a"), None) == "" and contract._differs(3, 4, None) == "得到 3，原本是 4"
