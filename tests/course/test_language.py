@@ -81,7 +81,8 @@ def test_time_estimates_agree_between_readme_and_each_notebook():
 # beside it, either "中文（term）" (the term, maybe after other words, inside parentheses after Chinese)
 # or "term（中文）". Inline code (`...`) is not prose and is skipped.
 GLOSSED = ("wheel", "JIT", "CuTe DSL", "TMA", "warp", "SM", "CUTLASS", "local memory", "CUDA events", "rank",
-           "NCCL", "FSDP", "all-reduce", "CUDA graph", "eager", "token")
+           "NCCL", "FSDP", "all-reduce", "CUDA graph", "eager", "token", "head", "logit", "constexpr", "profile", "LSE",
+           "rescale", "forward hook", "tokenizer")
 _CJK = "\u4e00-\u9fff"
 _BEFORE = re.compile(rf"[{_CJK}]\s*[（(][^（()）\n]{{0,60}}$")
 _AFTER = re.compile(rf"^s?\s*[（(]\s*[{_CJK}]")
@@ -100,7 +101,7 @@ def unglossed(text: str) -> list[str]:
     text = re.sub(r"`[^`\n]*`", lambda m: " " * len(m[0]), text)
     missing = []
     for term in GLOSSED:
-        m = re.search(rf"(?<![A-Za-z_-]){re.escape(term)}(?=s?(?![A-Za-z_]))", text)
+        m = re.search(rf"(?<![A-Za-z_-]){re.escape(term)}(?=s?(?![A-Za-z_-]))", text)
         if m and not (_BEFORE.search(text[max(0, m.start() - 80):m.start()]) or _AFTER.match(text[m.end():])):
             missing.append(f"{term}: …{text[max(0, m.start() - 20):m.end() + 20]}…".replace("\n", " "))
     return missing
@@ -120,3 +121,5 @@ def test_the_gloss_check_catches_what_it_is_for():
     assert not unglossed("CUDA 圖（CUDA graph）重播；之後的 CUDA graph 不必再註解")
     assert not unglossed("token（詞元）") and not unglossed("集合通訊（NCCL、all-reduce）")
     assert not unglossed("`warp` 只是程式碼")
+    assert unglossed("每個 head 一個匯點") and not unglossed("每個 head（注意力頭）一個匯點")
+    assert not unglossed("之字形的 head-tail 切分")   # a compound is another word, not the glossed term
