@@ -140,9 +140,14 @@ def check_no_state(call: Callable[[], object], other: Callable[[], object], *, n
         "兩個設定不同的呼叫（應得到不同的結果）卻回傳同樣的答案：第二個呼叫沿用了第一個呼叫留下的設定或快取。"))
 
 
+# What torch raises when a function reads values a meta tensor lacks (.item() under .any(), nonzero under x[mask]).
+NEEDS_DATA = ("cannot be called on meta tensors", "data-dependent", "data-independent implementation")
+
+
 def check_follows_device(fn: Callable, *args, name: str, **kwargs) -> None:
     """``fn`` on meta copies of its tensor arguments makes only meta tensors: every tensor it creates follows the
-    inputs' device. For plain PyTorch answers (meta tensors hold no data: no ``.item()``, no Triton)."""
+    inputs' device. For plain PyTorch answers (meta tensors hold no data: no Triton); a function that reads values
+    (:data:`NEEDS_DATA`: ``.item()``, ``if t.any()``, ``x[mask]``) stops there and passes, untested."""
     def meta(value):
         if isinstance(value, torch.Tensor):
             return value.to("meta")
@@ -154,6 +159,8 @@ def check_follows_device(fn: Callable, *args, name: str, **kwargs) -> None:
     try:
         result = fn(*meta(args), **{k: meta(v) for k, v in kwargs.items()})
     except Exception as error:  # noqa: BLE001 - any error on meta inputs: report it with the likely cause
+        if any(words in str(error) for words in NEEDS_DATA):
+            return                                  # a branch on values (.item(), .any(), x[mask]): nothing to tell
         grading.check_true(False, name=f"{name}：跟著輸入的裝置（device）", hint=hint, detail=(
             f"輸入放在另一個裝置（meta，代表 GPU）時出錯：{type(error).__name__}: {str(error)[:200]}"))
     off = [str(t.device) for t in _tensors(result) if t.device.type != "meta"]

@@ -72,6 +72,17 @@ def plain_grads(q, k, v, do, keep):
     return torch.autograd.grad(plain_attention(q, k, v, keep)[0], (q, k, v), do)
 
 
+def reads_per_index(reads, n: int) -> list[int]:
+    """How often each of n columns (or rows) was read, given the blocks read as (first index, width), in order; a
+    block read again right after itself (x[..., s:e] sliced twice in one step) counts once."""
+    counts = [0] * n
+    for i, block in enumerate(reads):
+        if i == 0 or reads[i - 1] != block:
+            for index in range(block[0], min(n, block[0] + block[1])):
+                counts[index] += 1
+    return counts
+
+
 def score_bytes_for_every_dtype(score_matrix_bytes) -> None:
     """score_matrix_bytes(B, H, N, dtype) == B * H * N * N * dtype.itemsize for fp32, bf16 and 8-, 2-, 1-byte dtypes."""
     grading.check_scalar(score_matrix_bytes(1, 1, 1024, torch.float32), 4 * 2**20,

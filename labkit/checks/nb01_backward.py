@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from labkit.core import grading
-from labkit.checks import nb01
+from labkit.checks import contract, nb01
 
 GRADS = ("dq", "dk", "dv")
 ACCUMULATOR_RULE = "dQ、dK、dV 的累加器（以及重算的 P、dS）以 fp32 保存，bf16/fp16 輸入也一樣"
@@ -48,6 +48,17 @@ def matches_autograd(flash_attention_backward) -> None:
                                detail=f"{name} 應為 torch.float32，卻是 {g.dtype}。")
 
 
+def keeps_the_contract(flash_attention_backward) -> None:
+    """Causal fp32 q, o, do [1, 2, 16, 8], k, v [1, 2, 12, 8] (the first 4 queries see no key: lse = -inf), blocks 8:
+    every input left unchanged (lse too: no in-place lse[lse == -inf] = inf), views (transposed storage, rows of a
+    wider buffer) give the same gradients, and on meta inputs every tensor it makes follows q's device."""
+    torch.manual_seed(37)
+    q, k, v, do = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 16, 8)
+    o, lse, _ = nb01.reference_grads(q, k, v, do, True)
+    contract.check_contract(flash_attention_backward, q, k, v, o, lse, do, name="flash_attention_backward", meta=True,
+                            is_causal=True, block_m=8, block_n=8)
+
+
 def causal_bottom_right(flash_attention_backward) -> None:
     """Causal with Nk != N both ways, float64 3-D, blocks 16: N=24 after 33 cached keys, and N=57 > Nk=24 (the first
     33 queries see no key: lse = -inf, gradients 0, no NaN); then fp32 N=63, Nk=64: the Q loop of K block [16, 32)
@@ -65,7 +76,7 @@ def causal_bottom_right(flash_attention_backward) -> None:
             grading.check_true(not g.isnan().any(), name=f"flash_attention_backward: no NaN in {name}, causal N={n}, Nk={nk}",
                                detail=f"{name} 含有 NaN。",
                                hint="lse = -inf 的列（看不到任何 key）：exp(S - L) = exp(-inf - (-inf)) = NaN；"
-                                    "把這些列的 L 換成 +inf，P 就是 0。")
+                                    "把這些列的 L 換成 +inf，P 就是 0（用 torch.where 產生新的張量，不要原地改呼叫端的 lse）。")
             grading.check_tensor(g, e, name=f"flash_attention_backward: {name}, causal N={n}, Nk={nk}", atol=1e-10,
                                  hint="右下對齊：區塊內遮罩 j > i + (Nk - N)，K 區塊 j0 從 query j0 - (Nk - N) 所在的 "
                                       "Q 區塊開始；float64 輸入以 float64 累加。")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.engine import attention
 
@@ -59,6 +60,46 @@ def matches_autograd_and_saves_lse(FlashAttention2) -> None:
         for name, g, e in zip(GRADS, grads, expected):
             grading.check_tensor(g, e, name=f"FlashAttention2: {name} (causal={causal})", atol=1e-4,
                                  hint="backward 回傳 (dq, dk, dv, None)；is_causal 要存在 ctx 上並傳給 backward。")
+
+
+def keeps_is_causal_per_call(FlashAttention2) -> None:
+    """fp32 [1, 2, 16, 8]: a causal forward, then a non-causal one, then the backward of the first (and the other
+    order): the gradients are those of the first call's own is_causal (kept on ctx, not on the class or a global)."""
+    torch.manual_seed(38)
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    do = torch.randn(1, 2, 16, 8)
+    for first in (True, False):
+        o_first = FlashAttention2.apply(q, k, v, first)
+        FlashAttention2.apply(q, k, v, not first)
+        grads = torch.autograd.grad(o_first, (q, k, v), do)
+        expected = torch.autograd.grad(attention.reference_attention(q, k, v, causal=first)[0], (q, k, v), do)
+        for name, g, e in zip(GRADS, grads, expected):
+            grading.check_tensor(g, e, atol=1e-4, name=f"FlashAttention2：每次呼叫的 is_causal 留在自己的 ctx 上（is_causal={first} "
+                                                       f"的前向、再一次 is_causal={not first} 的前向，之後反向第一個）：{name}",
+                                 hint="forward 用 ctx.is_causal = is_causal 存，backward 讀 ctx.is_causal；存在 class 屬性"
+                                      "（FlashAttention2.is_causal）或全域變數時，第二次前向會蓋掉第一次的設定。")
+
+
+def works_on_views(FlashAttention2) -> None:
+    """Causal fp32 q, do [2, 2, 20, 8], k, v [2, 2, 24, 8] as views (transposed storage, rows of a wider buffer): o and
+    the gradients through the Function equal those on contiguous copies, with no error (a q.view(-1, N, d) of a
+    transposed q raises); q, k, v and do are left unchanged."""
+    torch.manual_seed(39)
+    name = "FlashAttention2 (o, dq, dk, dv)"
+
+    def o_and_grads(q, k, v, do):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        try:
+            o = FlashAttention2.apply(q, k, v, True)
+            return (o, *torch.autograd.grad(o, (q, k, v), do))
+        except RuntimeError as error:
+            grading.check_true(False, name=f"{name}：輸入可以是 view", detail=(
+                f"q、k、v 的 stride {[t.stride() for t in (q, k, v)]} 時出錯：{str(error)[:200]}"),
+                hint="模型傳入的 q、k、v 常是 transpose 後的 view：不要用 .view() 攤平前導維度（它要求連續的記憶體），"
+                     "改用 .reshape()，或直接讓 flash_attention_forward 處理任意前導維度。")
+
+    q, k, v, do = torch.randn(2, 2, 20, 8), torch.randn(2, 2, 24, 8), torch.randn(2, 2, 24, 8), torch.randn(2, 2, 20, 8)
+    contract.check_contract(o_and_grads, q, k, v, do, name=name)
 
 
 def causal_bottom_right(FlashAttention2) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from labkit.core import grading
 from labkit.engine import attention
-from labkit.checks import nb01
+from labkit.checks import contract, nb01
 
 NAME = "standard_attention"
 STATISTICS_RULE = "softmax 的統計量（每列最大值 m、總和 l、lse）以 fp32 計算，bf16/fp16 輸入也一樣"
@@ -69,6 +69,16 @@ def matches_reference(standard_attention) -> None:
                  label=(f"causal, N={n} queries, Nk=50 keys", f"lse, causal N={n}, Nk=50"),
                  hint="因果遮罩對齊右下角：query i 可看 key j <= i + (Nk - N)，即 tril(diagonal=Nk - N)；"
                       "N=1 時唯一的 query 看見全部的 key。")
+
+
+def keeps_the_contract(standard_attention) -> None:
+    """fp32 q [1, 2, 12, 8], k, v [1, 2, 16, 8] with a [12, 16] mask and is_causal=True: q, k, v and the caller's
+    mask left unchanged (no mask &= causal), views (transposed storage, rows of a wider buffer) give the same o and
+    lse, and on meta inputs every tensor it makes follows q's device (the causal mask built with device=q.device)."""
+    torch.manual_seed(36)
+    q, k, v = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    mask = torch.rand(12, 16) > 0.3
+    contract.check_contract(standard_attention, q, k, v, name=NAME, meta=True, mask=mask, is_causal=True)
 
 
 def scale_zero_is_used(standard_attention) -> None:

@@ -18,6 +18,9 @@ RULES = {
         'fp64 inputs computed in fp64',
         'bf16/fp16 inputs: statistics (m, l, lse) in fp32, by the 2x rule',
         'bf16/fp16 inputs: lse within 1e-4 of float64 (scores, exp and sums in fp32)',
+        'q, k, v and the caller\'s mask left unchanged (no in-place mask &= causal)',
+        'views (transposed, sliced) of q, k, v and the mask give the same o and lse',
+        'tensors made inside follow the inputs\' device (meta inputs, mask and is_causal)',
     ],
     'ex2_score_matrix_bytes': [
         'B*H*N^2 times the element size in bytes (not bits)',
@@ -38,7 +41,10 @@ RULES = {
         "bf16 rows spread over +-30: x - m in fp32, each probability's relative error by the 2x rule",
         "bf16/fp16 rows of many blocks: each block's sum in fp32, each row's distance of its sum from 1 by the 2x rule",
         'reads x only in slices of <= block_size columns',
-        'two passes over x: m and l streamed together (no separate max pass)',
+        'each column of x read at most twice, blocks in any order: m and l streamed together (no separate max pass)',
+        'x left unchanged (no in-place edit of a block of x)',
+        'views (transposed, sliced) of x give the same result',
+        'tensors made inside follow x\'s device (meta inputs)',
     ],
     'ex4_flash_forward': [
         'own code: no labkit, SDPA or torch.softmax',
@@ -54,7 +60,10 @@ RULES = {
         'bf16/fp16 inputs: m, l and the O accumulator in fp32 across tiles, by the 2x rule',
         'bf16/fp16 inputs: lse within 1e-4 of float64 (tile scores and exp in fp32; head sizes 24 and 40, scale no power of two)',
         'no N x Nk tensor',
-        'outer loop over Q blocks (FA2 order): a Q block is never read again after a later one',
+        'outer loop over Q blocks (FA2 order): each Q block read once, in any order',
+        'q, k, v left unchanged (no in-place scaling of a block of q)',
+        'views (transposed, sliced) of q, k, v give the same o and lse',
+        'tensors made inside follow the inputs\' device (meta inputs)',
     ],
     'ex5a_flash_backward': [
         'own code: no labkit, autograd, SDPA or torch.softmax',
@@ -68,6 +77,9 @@ RULES = {
         'D = rowsum(dO * O) in fp32 from bf16/fp16 o and do: upcast before the product, not stored in bf16 (2x rule)',
         'lse read in fp32, not rounded to bf16 (scores near 100 exact in bf16, 2x rule)',
         'dQ accumulator alone in fp32 over 128 K tiles (2x rule)',
+        'every input left unchanged, lse too (no in-place edit of the -inf rows)',
+        'views (transposed, sliced) of q, k, v, o, lse and do give the same gradients',
+        'tensors made inside follow the inputs\' device (meta inputs)',
     ],
     'ex5b_flash_function': [
         'own code: no labkit, SDPA or torch.softmax',
@@ -78,6 +90,8 @@ RULES = {
         'no N x N tensor built in the forward or the backward (no standard_attention, no autograd through it)',
         'backward calls flash_attention_backward: no autograd inside it',
         'bf16 inputs: o in bf16, saved lse in fp32',
+        'is_causal kept per call on ctx: causal then non-causal forward, backward of the first (and the reverse)',
+        'views (transposed, sliced) of q, k, v and do give the same o and gradients through the Function',
     ],
 }
 
@@ -92,6 +106,12 @@ _EX1_MASK = """    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)) * scale       #
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)                            # [..., N, 1] row max
+"""
+_EX1_KEEP = """    keep = None
+    if is_causal:                                               # bottom-right aligned
+        keep = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n)
+    if mask is not None:
+        keep = mask if keep is None else keep & mask
 """
 _EX1_SOFTMAX = """    m = s.amax(dim=-1, keepdim=True)                            # [..., N, 1] row max
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # fully masked row: avoid -inf - (-inf)
@@ -163,6 +183,7 @@ _EX5B_SAVED = """        ctx.save_for_backward(q, k, v, o, lse)
         ### BEGIN SOLUTION
         q, k, v, o, lse = ctx.saved_tensors
 """
+_EX5B_STATE = _EX5B_SAVED + "        dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, is_causal=ctx.is_causal)\n"
 _EX5B_BACKWARD = """        q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_attention_backward(q, k, v, o, lse, do, is_causal=ctx.is_causal)
 """
@@ -226,7 +247,18 @@ MISTAKES = {'ex1_standard_attention': [('scale=0.0 taken as not given', 'scale =
                              'keep = ~mask if keep is None else keep & ~mask'),
                             ('causal OR-ed with the mask',
                              'keep = mask if keep is None else keep & mask',
-                             'keep = mask if keep is None else keep | mask')],
+                             'keep = mask if keep is None else keep | mask'),
+                            ("causal mask AND-ed into the caller's mask in place (mask &= tril)", _EX1_KEEP,
+                             '''    keep = mask
+    if is_causal:                                               # bottom-right aligned
+        causal = torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n)
+        if keep is None:
+            keep = causal
+        else:
+            keep &= causal
+'''),
+                            ('causal mask built without device= (on the CPU)',
+                             'torch.ones(n, nk, dtype=torch.bool, device=q.device)', 'torch.ones(n, nk, dtype=torch.bool)')],
  'ex2_score_matrix_bytes': [('bf16 size hard-coded', 'dtype.itemsize', '2'),
                             ('float dtypes only', 'dtype.itemsize', '(4 if dtype == torch.float32 else 2)'),
                             ('bits instead of bytes', 'dtype.itemsize', 'torch.finfo(dtype).bits'),
@@ -279,7 +311,13 @@ MISTAKES = {'ex1_standard_attention': [('scale=0.0 taken as not given', 'scale =
                          '- m.to(x.dtype)).to(acc)) / l).to(x.dtype)'),
                         ("each block's sum rounded to the input dtype, added to the fp32 l",
                          'torch.exp(xb - shift).sum(dim=-1, keepdim=True)',
-                         'torch.exp(xb - shift).to(x.dtype).sum(dim=-1, keepdim=True).to(acc)')],
+                         'torch.exp(xb - shift).to(x.dtype).sum(dim=-1, keepdim=True).to(acc)'),
+                        ('second pass subtracts m in place from a block of x (xb -= m)',
+                         'out[..., start:start + block_size] = (torch.exp(xb - m) / l).to(x.dtype)',
+                         'xb -= m\n        out[..., start:start + block_size] = (torch.exp(xb) / l).to(x.dtype)'),
+                        ('running max built without device= (on the CPU)',
+                         'm = torch.full(stats, float("-inf"), dtype=acc, device=x.device)',
+                         'm = torch.full(stats, float("-inf"), dtype=acc)')],
  'ex4_flash_forward': [('skip bound with |Nk - N|', 'j_end = max(0, min(nk, i1 + nk - n))', 'j_end = max(0, min(nk, i1 + abs(nk - n)))'),
                        ('skip bound with the offset clamped at 0', 'j_end = max(0, min(nk, i1 + nk - n))',
                         'j_end = max(0, min(nk, i1 + max(0, nk - n)))'),
@@ -335,7 +373,11 @@ MISTAKES = {'ex1_standard_attention': [('scale=0.0 taken as not given', 'scale =
                         'p = torch.exp((s - shift).to(q.dtype)).to(acc)'),
                        ('K/V blocks outside, Q blocks inside (v1 order)', _EX4_HEAD, _EX4_HEAD + _EX4_V1_ORDER),
                        ('scale applied to q in the input dtype, then upcast',
-                        'qi = q[..., i0:i1, :].to(acc) * scale', 'qi = (q[..., i0:i1, :] * scale).to(acc)')],
+                        'qi = q[..., i0:i1, :].to(acc) * scale', 'qi = (q[..., i0:i1, :] * scale).to(acc)'),
+                       ('block of q scaled in place (qi *= scale)', 'qi = q[..., i0:i1, :].to(acc) * scale',
+                        'qi = q[..., i0:i1, :].to(acc)\n        qi *= scale'),
+                       ('tile mask columns built without device= (on the CPU)',
+                        'cols = torch.arange(j0, j1, device=q.device)[None, :]', 'cols = torch.arange(j0, j1)[None, :]')],
  'ex5a_flash_backward': [('causal start with |Nk - N|', '(max(0, j0 - (nk - n)) // block_m)', '(max(0, j0 - abs(nk - n)) // block_m)'),
                          ('causal start with the offset clamped at 0', '(max(0, j0 - (nk - n)) // block_m)',
                           '(max(0, j0 - max(0, nk - n)) // block_m)'),
@@ -381,7 +423,12 @@ MISTAKES = {'ex1_standard_attention': [('scale=0.0 taken as not given', 'scale =
                          ('lse rounded to the input dtype before P is recomputed',
                           'lse = lse.to(acc).unsqueeze(-1)', 'lse = lse.to(q.dtype).to(acc).unsqueeze(-1)'),
                          ('dq alone accumulated in the input dtype (zeros_like(q))',
-                          'dq = torch.zeros(q.shape, dtype=acc, device=q.device)', 'dq = torch.zeros_like(q)')],
+                          'dq = torch.zeros(q.shape, dtype=acc, device=q.device)', 'dq = torch.zeros_like(q)'),
+                         ("rows that see no key: the caller's lse set to +inf in place",
+                          'lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)',
+                          'lse[torch.isneginf(lse)] = float("inf")'),
+                         ('tile mask columns built without device= (on the CPU)',
+                          'cols = torch.arange(j0, j1, device=q.device)[None, :]', 'cols = torch.arange(j0, j1)[None, :]')],
  'ex5b_flash_function': [('causal flag lost for backward', 'ctx.is_causal = is_causal', 'ctx.is_causal = False'),
                          ('forward ignores is_causal',
                           'flash_attention_forward(q, k, v, is_causal=is_causal)',
@@ -424,10 +471,30 @@ MISTAKES = {'ex1_standard_attention': [('scale=0.0 taken as not given', 'scale =
                           'o, lse = flash_attention_forward(*(t.float() if t.dtype in (torch.bfloat16, torch.float16) else t '
                           'for t in (q, k, v)), is_causal=is_causal)'),
                          ('lse saved in the input dtype',
-                          'ctx.save_for_backward(q, k, v, o, lse)', 'ctx.save_for_backward(q, k, v, o, lse.to(q.dtype))')]}
+                          'ctx.save_for_backward(q, k, v, o, lse)', 'ctx.save_for_backward(q, k, v, o, lse.to(q.dtype))'),
+                         ('leading dims flattened with .view (fails on a transposed q)',
+                          'o, lse = flash_attention_forward(q, k, v, is_causal=is_causal)',
+                          'o, lse = flash_attention_forward(*(t.view(-1, *t.shape[-2:]) for t in (q, k, v)), is_causal=is_causal)\n'
+                          '        o, lse = o.view(q.shape[:-1] + o.shape[-1:]), lse.view(q.shape[:-1])'),
+                         ('is_causal kept on the class, not on ctx', _EX5B_STATE,
+                          _EX5B_STATE.replace("ctx.is_causal = is_causal", "FlashAttention2.is_causal = is_causal")
+                          .replace("is_causal=ctx.is_causal", "is_causal=FlashAttention2.is_causal")),
+                         ('is_causal kept in a module-level global, not on ctx', _EX5B_STATE,
+                          _EX5B_STATE.replace("ctx.is_causal = is_causal", "global _IS_CAUSAL\n        _IS_CAUSAL = is_causal")
+                          .replace("is_causal=ctx.is_causal", "is_causal=_IS_CAUSAL"))]}
 
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}
+
+# grade_id -> [(name, text in the answer, replacement)]: right answers written another way the prose allows
+ACCEPTED = {
+    'ex3_online_softmax': [('first pass right to left (the prose sets no order)',
+                            'for start in range(0, n, block_size):                              # pass 1',
+                            'for start in reversed(range(0, n, block_size)):                    # pass 1')],
+    'ex4_flash_forward': [('Q blocks visited last to first (they run in parallel on a GPU)',
+                           'for i0 in range(0, n, block_m):                                # outer loop',
+                           'for i0 in reversed(range(0, n, block_m)):                      # outer loop')],
+}
 
 # grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
 FITTED = {

@@ -115,6 +115,23 @@ def test_a_tensor_made_without_device_fails_on_meta(qkv):
         contract.check_follows_device(mask_on_cpu, *qkv, name="ex")
 
 
+def branches_on_values(q, k, v, causal=True):
+    """Right on any device, but branches on values (.any() calls .item()), which meta tensors lack."""
+    out = attention(q, k, v, causal)
+    return out.nan_to_num() if bool(out.isnan().any()) else out
+
+
+def indexes_by_values(q, k, v, causal=True):
+    """Right on any device, but a boolean index (nonzero: its size depends on the values)."""
+    out = attention(q, k, v, causal)
+    return out[out.abs() >= 0].reshape(out.shape)
+
+
+@pytest.mark.parametrize("fn", [branches_on_values, indexes_by_values], ids=lambda f: f.__name__)
+def test_an_answer_reading_values_is_not_blamed_for_the_device(fn, qkv):
+    contract.check_follows_device(fn, *qkv, name="ex")
+
+
 def test_differences_within_a_few_ulps_pass_and_larger_ones_fail():
     x = torch.ones(4, dtype=torch.bfloat16)
     assert contract._differs(x + 0.0078125, x, None) == ""
