@@ -300,8 +300,8 @@ FITTED = {
         ("zero test on the first element", "if r_norm == 0:", "if r[0] == 0:"),
     ],
     "ex3_layernorm": [
-        ("one rounding at the end only for the visible 2x shapes (C = 96 or 40)", "y = y * weight.float() + bias.float()",
-         "y = (y if x.shape[-1] in (96, 40) else y.to(x.dtype).float()) * weight.float() + bias.float()"),
+        ("one rounding at the end only for the visible 2x shapes (C = 96, 40 or 64)", "y = y * weight.float() + bias.float()",
+         "y = (y if x.shape[-1] in (96, 40, 64) else y.to(x.dtype).float()) * weight.float() + bias.float()"),
     ],
     "ex4_policy": [
         ("unknown op refused only under the visible name", "if op not in POLICY_OPS:", 'if op == "attention":'),
