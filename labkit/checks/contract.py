@@ -102,11 +102,15 @@ def check_views(fn: Callable, *args, name: str, atol: float | None = None, **kwa
             if t.dim() < 2 or t.numel() < 2:
                 continue
             a, kw = _replace(args, kwargs, which, make(t))
-            diff = _differs(fn(*a, **kw), want, atol)
+            try:
+                diff = _differs(fn(*a, **kw), want, atol)
+            except Exception as error:  # noqa: BLE001 - e.g. .view() of a non-contiguous tensor: report the rule
+                diff = f"出錯 {type(error).__name__}: {str(error)[:200]}"
             grading.check_true(not diff, name=f"{name}：輸入可以是 view", detail=(
                 f"{which} 換成同值的{layout}（不連續，non-contiguous）後結果不同：{diff}。"),
                 hint="模型傳入的 q、k、v 常是 transpose 或切片後的 view。要嘛先 .contiguous()，要嘛把每個張量自己的 "
-                     ".stride() 傳給 kernel；輸出用 torch.empty(形狀) 配置，不要用 empty_like(輸入)（它沿用輸入的 stride）。")
+                     ".stride() 傳給 kernel；輸出用 torch.empty(形狀) 配置，不要用 empty_like(輸入)（它沿用輸入的 stride）；"
+                     "攤平或改形狀用 .reshape，.view 遇到不連續的張量會出錯。")
 
 
 def check_inputs_unchanged(fn: Callable, *args, name: str, **kwargs):

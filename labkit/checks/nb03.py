@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.perf import memory as perfmodel
 from labkit.long import memory as longmem
@@ -161,6 +162,16 @@ def ce_matches_full_float64(ce) -> None:
                          name="chunked_cross_entropy: hidden [N, C] = [37, 16] (no batch dimension)", rel=1e-10,
                          hint="hidden 是 [..., N, C]：前面可以有任意多維，也可以沒有。用 hidden.reshape(-1, C)、targets.reshape(-1) 攤平，"
                               "不要假設是 [B, N, C]（flatten(0, 1)）。")
+
+
+def ce_keeps_the_contract(ce) -> None:
+    """float64 hidden [2, 12, 8], weight [20, 8], targets [2, 12], chunks of 5 (lk.checks.contract): no input changed,
+    the same loss when any of the three comes as a transposed or sliced view (weight as rows of a wider buffer, as a
+    tied, padded embedding holds it), and on the "meta" device a loss on that device (forward only)."""
+    gen = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(2, 12, 8, generator=gen, dtype=torch.float64), torch.randn(20, 8, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 20, (2, 12), generator=gen)
+    contract.check_contract(ce, hidden, weight, targets, name="chunked_cross_entropy", meta=True, chunk_size=5)
 
 
 def ce_holds_one_chunk_at_a_time(ce) -> None:

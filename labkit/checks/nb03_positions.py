@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.models import gpt2
 
@@ -191,14 +192,10 @@ def rope_angles_in_fp32(rope) -> None:
                                          "不只 bf16 要升精度：用 torch.promote_types(x.dtype, torch.float32)。")
 
 
-def rope_tables_on_x_device(rope) -> None:
-    """x bf16 [2, 3, 10, 8] on the "meta" device (shapes only: it shows on a CPU where the tables are made): a meta bf16
-    [2, 3, 10, 8] back, the position and frequency tables made on x's device."""
-    try:
-        on_meta = rope(torch.empty(2, 3, 10, 8, device="meta", dtype=torch.bfloat16))
-        made = (on_meta.device.type, on_meta.dtype, tuple(on_meta.shape))
-    except (RuntimeError, NotImplementedError) as err:
-        made = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-    grading.check_true(made == ("meta", torch.bfloat16, (2, 3, 10, 8)), name="rope: tables on x's device (x on meta)",
-                       detail=f"x 在 meta 裝置上時，應回傳 meta 上的 bf16 [2, 3, 10, 8]，得到 {made}。",
-                       hint="torch.arange(..., device=x.device)：位置與頻率的表建在 x 的裝置上，否則 GPU 上的 x 會碰到 CPU 上的表而出錯。")
+def rope_keeps_the_contract(rope) -> None:
+    """fp32 x [2, 3, 12, 8] (lk.checks.contract): x left unchanged; the same answer for x as a transposed or sliced
+    view; no state between calls (base 10000 and base 500 on the same N and D, each right after the other: a cache
+    keyed by (N, D) alone fails); and on the "meta" device (shapes only: it shows on a CPU where the tables are made)
+    the position and frequency tables made on x's device."""
+    x = torch.randn(2, 3, 12, 8, generator=torch.Generator().manual_seed(6))
+    contract.check_contract(rope, x, name="rope", other=lambda: rope(x, base=500.0), meta=True)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from labkit.checks import contract
 from labkit.core import grading
 
 _HALF_SUM_HINT = ("compensated=True 的分支也要先 values.to(acc_dtype)：float32 的 v 減去 fp16 的 c 會被提升成 float32，"
@@ -37,6 +38,16 @@ def sums_in_own_loop(accumulate: Callable) -> None:
     """``accumulate`` reaches no torch.sum / cumsum: the exercise is the loop itself."""
     grading.check_own_code(accumulate, name="accumulate：自己逐項相加，不可用 torch.sum / cumsum",
                            forbid=(torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum))
+
+
+def sums_leave_values_unchanged(accumulate: Callable) -> None:
+    """fp16 values [16] into an fp16 accumulator (values.to(acc_dtype) is values itself), plain and compensated, and
+    float32 values into a float32 one: the caller's values unchanged."""
+    for values, dtype in ((torch.linspace(-1, 1, 16).half(), torch.float16), (torch.linspace(0, 3, 16), torch.float32)):
+        for compensated in (False, True):
+            contract.check_inputs_unchanged(accumulate, values, dtype, compensated=compensated,
+                                            name=f"accumulate（{str(dtype)[6:]} 的 values 與累加器，compensated={compensated}："
+                                                 "values.to(acc_dtype) 不複製）")
 
 
 def _rounding_cases() -> list[tuple]:
@@ -225,18 +236,8 @@ def report_refuses_only_an_all_zero_reference(error_report: Callable) -> None:
                             "「範數 < 1e-12」或「最大值 < 某個門檻」都會把很小但有意義的參考值（例如梯度）當成全為 0。")
 
 
-def leaves_inputs_unchanged(fn: Callable, inputs: tuple[torch.Tensor, ...], *, name: str, detail: str, hint: str) -> None:
-    """``fn(*inputs)`` leaves every input tensor as it was (an in-place op on ``.double()``/``.float()`` of an input
-    already in that dtype writes into the input itself)."""
-    saved = [t.clone() for t in inputs]
-    fn(*inputs)
-    grading.check_true(all(torch.equal(t, s) for t, s in zip(inputs, saved)), name=name, detail=detail, hint=hint)
-
-
 def report_leaves_inputs_unchanged(error_report: Callable) -> None:
     """error_report on float64 [3, 20] inputs, where .double() and .flatten() return the same memory, changes neither."""
     c64 = torch.linspace(-1, 1, 60, dtype=torch.float64).reshape(3, 20)
-    leaves_inputs_unchanged(error_report, (c64, 0.9 * c64 + 0.05), name="error_report 不修改輸入（float64 輸入）",
-                            detail="呼叫 error_report(candidate, reference) 之後，candidate 或 reference 的值變了。",
-                            hint="float64 輸入的 .double() 與 .flatten() 不複製，回傳同一塊記憶體：不要用 sub_、-=、abs_ 之類的"
-                                 "原地（in-place）運算，用 c - r 產生新的張量。")
+    contract.check_inputs_unchanged(error_report, c64, 0.9 * c64 + 0.05,
+                                    name="error_report（float64 輸入：.double() 與 .flatten() 不複製，不要 sub_、-=）")

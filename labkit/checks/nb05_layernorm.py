@@ -16,13 +16,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.core import grading
-from labkit.checks import nb05
+from labkit.checks import contract
 
 LN_RULE = "LayerNorm 的統計量（平均、變異數）與仿射（× weight + bias）都在 FP32 計算，最後只捨入一次成 x.dtype"
 LN_HINT = ("x、weight、bias 都先 .float()，(x − μ) / sqrt(σ² + eps) * weight + bias 全在 FP32 算完，最後才 .to(x.dtype)。"
            "先把正規化的結果轉回半精度再乘 weight、加 bias（或統計量在半精度算），y·weight 的捨入誤差會被 weight 放大，"
            "而 bias 抵銷之後輸出本身很小。")
 _TO_X_DTYPE = "最後一步 .to(x.dtype)"
+EPS_HINT = ("eps 是 Python float，直接加在 FP32 的變異數上（var + eps）：torch.tensor(eps).to(x) 或 .to(x.dtype) 先把它捨入成 x 的"
+            "半精度，fp16 裡 1e-8 變成 0（常數列得到 0 / 0 = NaN）、1e-7 變成 1.19e-7。")
 
 
 def uses_no_ready_made_norm(fn: Callable) -> None:
@@ -130,11 +132,32 @@ def eps_inside_the_sqrt(fn: Callable, g: torch.Generator) -> None:
                          hint="sqrt(σ² + eps) 裡的 eps 是函式的參數，不要寫死成預設值 1e-5。")
 
 
-def layernorm_leaves_inputs_unchanged(fn: Callable) -> None:
-    """float32 x [3, 32], weight and bias [32], where x.float() returns the same tensor: none of them changes."""
+def small_eps_kept_in_fp32(fn: Callable) -> None:
+    """eps = 1e-8 and 1e-7, below fp16's smallest normal number (in fp16, 1e-8 rounds to 0 and 1e-7 to 1.19e-7): fp16
+    and bf16 x [4, 64] whose first row is constant (variance 0) and whose other rows have a variance about 1e-7, as
+    small as eps. Every output finite, and by the 2x rule as close to the float64 LayerNorm as F.layer_norm in x's
+    dtype (which adds eps in fp32)."""
+    gen = torch.Generator().manual_seed(8)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.cat([torch.full((1, 64), 0.5), 3e-4 * torch.randn(3, 64, generator=gen)]).to(dtype)
+        wt, bs = (1 + 0.25 * torch.randn(64, generator=gen)).to(dtype), (0.1 * torch.randn(64, generator=gen)).to(dtype)
+        for eps in (1e-8, 1e-7):
+            y = fn(x, wt, bs, eps=eps)
+            case = f"{str(dtype)[6:]} 的 x、eps={eps:g}"
+            bad = int((~torch.isfinite(y)).sum()) if isinstance(y, torch.Tensor) else -1
+            grading.check_true(bad == 0, name=f"eps 很小時輸出仍是有限值（{case}，第一列是常數：變異數 0）",
+                               detail=f"輸出有 {bad} 個非有限值（NaN/inf）：sqrt(σ² + eps) 變成 0，0 / 0 = NaN。",
+                               hint=EPS_HINT)
+            grading.check_within_2x(y, F.layer_norm(x.double(), (64,), wt.double(), bs.double(), eps),
+                                    F.layer_norm(x, (64,), wt, bs, eps), name=f"2 倍規則：{case}（變異數約 1e-7，與 eps 相當）",
+                                    rule="eps 與變異數一起在 FP32 相加：sqrt(σ² + eps)", hint=EPS_HINT)
+
+
+def layernorm_keeps_the_contract(fn: Callable) -> None:
+    """float32 x [3, 5, 32] (x.float() is x itself), weight and bias [32] (lk.checks.contract): none of them changed;
+    the same output for x as a transposed or sliced view; and on the "meta" device an output on that device (every
+    tensor the answer makes follows x's device)."""
     g5 = torch.Generator().manual_seed(5)
-    inputs = (torch.randn(3, 32, generator=g5) * 2 + 1, 1 + torch.randn(32, generator=g5), torch.randn(32, generator=g5))
-    nb05.leaves_inputs_unchanged(fn, inputs, name="layer_norm_fp32_stats 不修改輸入（float32 的 x、weight、bias）",
-                                 detail="呼叫之後 x、weight 或 bias 的值變了。",
-                                 hint="float32 輸入的 x.float() 不複製，回傳同一個張量：不要用 -=、sub_、mul_ 之類的原地（in-place）運算，"
-                                      "用 x32 - mean 產生新的張量。")
+    x = torch.randn(3, 5, 32, generator=g5) * 2 + 1
+    contract.check_contract(fn, x, 1 + torch.randn(32, generator=g5), torch.randn(32, generator=g5),
+                            name="layer_norm_fp32_stats（float32 的 x：x.float() 不複製）", meta=True)

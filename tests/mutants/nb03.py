@@ -19,6 +19,8 @@ RULES = {
         "loss and gradients (hidden, weight) equal the full cross-entropy in float64",
         "chunk_size that divides N, that does not, and larger than N",
         "hidden[:, :-1] and targets[:, 1:] (views that are not contiguous)",
+        "the contract: no input changed; hidden, weight or targets as a transposed or sliced view give the same loss; "
+        "the loss on the inputs' device (meta)",
         "float64 inputs give a float64 scalar, float32 inputs a float32 one",
         "bf16 inputs: softmax and loss in float32 (dtype; 2x rule over 16 losses against float64, autocast as baseline)",
         "bf16 and fp16 inputs: a float32 loss and, by the 2x rule, the loss and d hidden (identity weight: the backward's "
@@ -53,7 +55,10 @@ RULES = {
         "bf16 input at positions up to 4095 and fp16 input at positions up to 2499 match a float64 reference "
         "(angles not in half precision)",
         "any [..., N, D] (an [N, D] and a [B, N, D] input)",
-        "tables on x's device (x on the meta device)",
+        "the contract: x unchanged; x as a transposed or sliced view gives the same result; tables on x's device "
+        "(x on the meta device)",
+        "no state between calls: base 10000 and base 500 on the same N and D, each right after the other (a cache keyed "
+        "by (N, D) alone fails)",
         "calls no labkit",
     ],
 }
@@ -89,6 +94,24 @@ _FUNCTION = """
             return dh, dw.to(w.dtype), None
 
     return ChunkedCE.apply(h, weight, t)"""
+
+# Exercise 4's answer from its first line to its cos/sin tables, and the tables cached by what a wrong key holds
+_ROPE_HEAD = ('def rope(x, base=10000.0):\n'
+              '    """Rotary position embedding of x [..., N, D] (rotate-half layout), position m on row m."""\n'
+              '    ### BEGIN SOLUTION\n'
+              '    n, d = x.shape[-2], x.shape[-1]\n'
+              '    acc = torch.promote_types(x.dtype, torch.float32)\n')
+_ROPE_TABLES = ('    theta = base ** (-torch.arange(0, d, 2, dtype=acc, device=x.device) / d)      # [D/2]\n'
+                '    angles = torch.arange(n, dtype=acc, device=x.device)[:, None] * theta         # [N, D/2]\n'
+                '    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [N, D]\n')
+
+
+def _rope_cached(key: str) -> str:
+    """The answer with its tables kept in a module-level dict keyed by ``key`` (an expression of the answer's names)."""
+    tables = "".join("    " + line + "\n" for line in _ROPE_TABLES.splitlines())
+    return ("_ROPE_TABLES = {}\n\n\n" + _ROPE_HEAD + f"    key = {key}\n    if key not in _ROPE_TABLES:\n" + tables
+            + "        _ROPE_TABLES[key] = cos, sin\n    cos, sin = _ROPE_TABLES[key]\n")
+
 
 # grade_id -> [(mistake, text in the answer, replacement)]: each fails a visible test
 MISTAKES = {
@@ -190,6 +213,36 @@ MISTAKES = {
         ("tables built on the CPU", "dtype=acc, device=x.device) / d)      # [D/2]\n"
          "    angles = torch.arange(n, dtype=acc, device=x.device)[:, None]",
          "dtype=acc) / d)\n    angles = torch.arange(n, dtype=acc)[:, None]"),
+        ("cos/sin cached in a module-level dict keyed by (N, D): the base ignored", _ROPE_HEAD + _ROPE_TABLES,
+         _rope_cached("(n, d)")),
+        ("cos/sin from an lru_cache'd helper that takes (N, D) and reads the base from a global",
+         _ROPE_HEAD + _ROPE_TABLES,
+         "import functools\n\nBASE = 10000.0\n\n\n@functools.lru_cache(maxsize=None)\ndef _tables(n, d, acc, device):\n"
+         + _ROPE_TABLES.replace("base **", "BASE **").replace("x.device", "device") + "    return cos, sin\n\n\n" + _ROPE_HEAD
+         + "    global BASE\n    BASE = base\n    cos, sin = _tables(n, d, acc, x.device)\n"),
+        ("leading dimensions flattened with .view (x assumed contiguous)",
+         "    xf = x.to(acc)\n    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]\n"
+         "    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)",
+         "    xf = x.view(-1, n, d).to(acc)\n    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]\n"
+         "    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype).view(x.shape)"),
+        ("rotation written in place into x.to(acc).contiguous() (the caller's fp32 x)",
+         "    xf = x.to(acc)\n    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]\n"
+         "    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)",
+         "    xf = x.to(acc).contiguous()\n    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]\n"
+         "    rotated = torch.cat([-x2, x1], dim=-1) * sin\n    return xf.mul_(cos).add_(rotated).to(x.dtype)"),
+    ],
+}
+
+# grade_id -> [(name, text in the answer, replacement)]: right answers written another way; each passes the whole cell
+ACCEPTED = {
+    "ex4_rope": [
+        ("cos/sin cached in a module-level dict keyed by everything they depend on", _ROPE_HEAD + _ROPE_TABLES,
+         _rope_cached("(n, d, float(base), acc, x.device)")),
+        ("leading dimensions flattened with .reshape, restored at the end",
+         "    xf = x.to(acc)\n    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]\n"
+         "    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)",
+         "    xf = x.reshape(-1, n, d).to(acc)\n    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]\n"
+         "    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype).reshape(x.shape)"),
     ],
 }
 

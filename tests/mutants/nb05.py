@@ -19,10 +19,19 @@ WIDE_SUM = ("    wide = torch.zeros((), dtype=torch.float64)\n"
             "        s = s + v\n"
             "    return wide.to(acc_dtype) if compensated else s")
 
+# ex3's body as the solution writes it
+LN_BODY = ("    x32 = x.float()\n"
+           "    mean = x32.mean(dim=-1, keepdim=True)\n"
+           "    var = ((x32 - mean) ** 2).mean(dim=-1, keepdim=True)\n"
+           "    y = (x32 - mean) / torch.sqrt(var + eps)\n"
+           "    y = y * weight.float() + bias.float()\n"
+           "    return y.to(x.dtype)")
+
 # grade_id -> the rules its visible tests check
 RULES = {
     "ex1_accumulate": [
         "no torch.sum / cumsum (own loop)",
+        "the caller's values unchanged (fp16 and fp32 values into an accumulator of their own dtype, plain and compensated)",
         "returns a 0-d tensor of acc_dtype (plain, compensated, mixed input dtype)",
         "fp16 accumulator rounds every step (stalls at 0.25)",
         "fp32 accumulator is close to the exact sum",
@@ -57,7 +66,10 @@ RULES = {
         "2x rule (bf16, fp16; two shapes): statistics and affine in fp32, one rounding at the end (large weight, cancelling bias)",
         "2x rule with bf16 x and fp32 weight and bias: the fp32 parameters used as they are, not rounded to x.dtype",
         "eps inside the square root (variance near eps), and the caller's eps used",
-        "the inputs are not modified (float32 x, where x.float() does not copy)",
+        "eps kept in fp32: eps 1e-8 and 1e-7 with fp16 and bf16 x (a constant row stays finite; rows of variance ~1e-7 "
+        "by the 2x rule)",
+        "the contract: no input changed (float32 x, where x.float() does not copy); x as a transposed or sliced view "
+        "gives the same output; tensors on x's device (meta)",
     ],
     "ex4_policy": [
         "every op during bf16 training (fp32 master weights, optimizer state, residual stream; amp_dtype for linear and flash)",
@@ -109,6 +121,10 @@ MISTAKES = {
         ("Kahan replaced by a float64 sum rounded at the end",
          KAHAN_LOOP,
          WIDE_SUM),
+        ("accumulator started from values[0] and added in place (changes the caller's values)",
+         "    s = torch.zeros((), dtype=acc_dtype)\n    c = torch.zeros((), dtype=acc_dtype)\n" + KAHAN_LOOP,
+         "    vals = values.to(acc_dtype)\n    s, c = vals[0], torch.zeros((), dtype=acc_dtype)\n"
+         + KAHAN_LOOP.replace("for v in values.to(acc_dtype):", "for v in vals[1:]:").replace("s = s + v", "s += v")),
     ],
     "ex2_error_report": [
         ("cosine by F.cosine_similarity (norms clamped at 1e-8)", "(c @ r / (c.norm() * r_norm)).item()",
@@ -203,6 +219,12 @@ MISTAKES = {
          "y = F.rms_norm(x32 - mean, x.shape[-1:], eps=eps)"),
         ("torch.rms_norm of the centred input", "y = (x32 - mean) / torch.sqrt(var + eps)",
          "y = torch.rms_norm(x32 - mean, x.shape[-1:], eps=eps)"),
+        ("eps rounded to x's dtype (torch.tensor(eps).to(x))", "torch.sqrt(var + eps)",
+         "torch.sqrt(var + torch.tensor(eps).to(x))"),
+        ("rows flattened with .view (x assumed contiguous)", LN_BODY,
+         LN_BODY.replace("x32 = x.float()", "x32 = x.view(-1, x.shape[-1]).float()")
+         .replace("return y.to(x.dtype)", "return y.to(x.dtype).view(x.shape)")),
+        ("eps as a one-element tensor made on the CPU", "torch.sqrt(var + eps)", "torch.sqrt(var + torch.tensor([eps]))"),
         ("F.layer_norm imported inside the answer, on fp32",
          "y = (x32 - mean) / torch.sqrt(var + eps)\n    y = y * weight.float() + bias.float()",
          "from torch.nn.functional import layer_norm as ln\n    y = ln(x32, x.shape[-1:], weight.float(), bias.float(), eps)"),
@@ -249,6 +271,20 @@ MISTAKES = {
     ],
 }
 
+# grade_id -> [(name, text in the answer, replacement)]: right answers written another way; each passes the whole cell
+ACCEPTED = {
+    "ex3_layernorm": [
+        ("rows flattened with .reshape, restored at the end", LN_BODY,
+         LN_BODY.replace("x32 = x.float()", "x32 = x.reshape(-1, x.shape[-1]).float()")
+         .replace("return y.to(x.dtype)", "return y.to(x.dtype).reshape(x.shape)")),
+        ("eps as an fp32 tensor on x's device, torch.rsqrt", "y = (x32 - mean) / torch.sqrt(var + eps)",
+         "y = (x32 - mean) * torch.rsqrt(var + torch.tensor(eps, dtype=torch.float32, device=x.device))"),
+        ("torch.var_mean(correction=0)", "    mean = x32.mean(dim=-1, keepdim=True)\n"
+         "    var = ((x32 - mean) ** 2).mean(dim=-1, keepdim=True)\n",
+         "    var, mean = torch.var_mean(x32, dim=-1, correction=0, keepdim=True)\n"),
+    ],
+}
+
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}
 
@@ -264,8 +300,8 @@ FITTED = {
         ("zero test on the first element", "if r_norm == 0:", "if r[0] == 0:"),
     ],
     "ex3_layernorm": [
-        ("one rounding at the end only for the visible 2x shapes (C = 96 or 40)", "y = y * weight.float() + bias.float()",
-         "y = (y if x.shape[-1] in (96, 40) else y.to(x.dtype).float()) * weight.float() + bias.float()"),
+        ("one rounding at the end only for the visible 2x shapes (C = 96, 40 or 64)", "y = y * weight.float() + bias.float()",
+         "y = (y if x.shape[-1] in (96, 40, 64) else y.to(x.dtype).float()) * weight.float() + bias.float()"),
     ],
     "ex4_policy": [
         ("unknown op refused only under the visible name", "if op not in POLICY_OPS:", 'if op == "attention":'),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ CHECKS = {  # check -> (grade_id, a mistake of tests/mutants/nb03.py, words of t
     nb03.fit_refuses_underdetermined_runs: ("ex1_fit_coefficients", "underdetermined runs accepted",
                                             "flash runs only -> ValueError"),
     nb03.ce_matches_full_float64: ("ex2_chunked_ce", "fp32 for fp64 inputs", "a float64 scalar for float64 inputs"),
+    nb03.ce_keeps_the_contract: ("ex2_chunked_ce", ".view instead of .reshape (non-contiguous hidden)",
+                                 "chunked_cross_entropy：輸入可以是 view"),
     nb03.ce_holds_one_chunk_at_a_time: ("ex2_chunked_ce", "all logits at once", "at most one chunk of logits at a time"),
     nb03.ce_low_precision_in_float32: ("ex2_chunked_ce", "softmax in the input dtype (bf16)",
                                        "softmax and loss in float32 for bf16 inputs"),
@@ -40,12 +43,22 @@ CHECKS = {  # check -> (grade_id, a mistake of tests/mutants/nb03.py, words of t
     nb03_positions.rope_float64_any_shape: ("ex4_rope", "fp32 angles for fp64", "float64 accuracy"),
     nb03_positions.rope_scores_depend_on_distance: ("ex4_rope", None, "scores at distance 0 all equal"),
     nb03_positions.rope_angles_in_fp32: ("ex4_rope", "angles in half precision", "angles in fp32"),
-    nb03_positions.rope_tables_on_x_device: ("ex4_rope", "tables built on the CPU", "tables on x's device"),
+    nb03_positions.rope_keeps_the_contract: ("ex4_rope", "cos/sin cached in a module-level dict keyed by (N, D): the base ignored",
+                                             "rope：不留跨呼叫的狀態"),
+}
+CONTRACT = {  # mistake of ex4 -> the rule of rope_keeps_the_contract it breaks
+    "cos/sin from an lru_cache'd helper that takes (N, D) and reads the base from a global": "rope：不留跨呼叫的狀態",
+    "leading dimensions flattened with .view (x assumed contiguous)": "rope：輸入可以是 view",
+    "rotation written in place into x.to(acc).contiguous() (the caller's fp32 x)": "rope：不修改輸入",
+    "tables built on the CPU": "rope：跟著輸入的裝置",
 }
 
 
+SETUP = "import numpy as np\nimport torch\nimport torch.nn.functional as F\n"
+
+
 def _answers(grade_id: str | None = None, mistake: str | None = None) -> dict:
-    return answers_namespace(SPEC, "import numpy as np\nimport torch\nimport torch.nn.functional as F\n", grade_id, mistake)
+    return answers_namespace(SPEC, SETUP, grade_id, mistake)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +91,20 @@ def test_check_passes_the_solution(check, solution):
 def test_check_names_the_rule_a_wrong_answer_breaks(check, solution):
     with pytest.raises(AssertionError, match=re.escape(CHECKS[check][2])):
         check(_wrong(check, solution))
+
+
+@pytest.mark.parametrize("mistake", CONTRACT)
+def test_the_rope_contract_names_each_rule_a_wrong_answer_breaks(mistake):
+    with pytest.raises(AssertionError, match=re.escape(CONTRACT[mistake])):
+        nb03_positions.rope_keeps_the_contract(_answers("ex4_rope", mistake)["rope"])
+
+
+@pytest.mark.parametrize("accepted", [name for name, _, _ in SPEC.ACCEPTED["ex4_rope"]])
+def test_the_rope_contract_passes_right_answers_written_another_way(accepted):
+    as_mistakes = SimpleNamespace(ASSIGNMENT=SPEC.ASSIGNMENT, MISTAKES=SPEC.ACCEPTED)
+    rope = answers_namespace(as_mistakes, SETUP, "ex4_rope", accepted)["rope"]
+    nb03_positions.rope_keeps_the_contract(rope)
+    nb03_positions.rope_rotates_pairs(rope)
 
 
 def test_model_runs_hold_the_memory_models_bytes():

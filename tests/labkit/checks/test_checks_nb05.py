@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ ANSWER = {  # grade_id -> name its answer cell defines
 }
 CHECKS = {  # check -> (grade_id, a mistake of tests/mutants/nb05.py, words of the message that names its rule)
     nb05.sums_in_own_loop: ("ex1_accumulate", "torch.sum", "不可用 torch.sum / cumsum"),
+    nb05.sums_leave_values_unchanged: ("ex1_accumulate",
+                                       "accumulator started from values[0] and added in place (changes the caller's values)",
+                                       "accumulate（float16 的 values 與累加器，compensated=False"),
     nb05.sums_round_every_step: ("ex1_accumulate", "Kahan with a final correction s - c", "Kahan 補償求和回傳累加器 s"),
     nb05.fp32_accumulator_within_2x: ("ex1_accumulate", "in-place add into an accumulator of the values' dtype",
                                       "fp32 累加器：torch.bfloat16 的 values 累加成 FP32"),
@@ -28,7 +32,7 @@ CHECKS = {  # check -> (grade_id, a mistake of tests/mutants/nb05.py, words of t
     nb05.report_sees_one_vector_of_any_layout: ("ex2_error_report", "cosine per row, averaged", "把整個張量當成一個向量"),
     nb05.report_refuses_only_an_all_zero_reference: ("ex2_error_report", "zero reference accepted", "reference 全為 0"),
     nb05.report_leaves_inputs_unchanged: ("ex2_error_report", "in-place difference (changes a float64 candidate)",
-                                          "error_report 不修改輸入"),
+                                          "：不修改輸入"),
     nb05_layernorm.uses_no_ready_made_norm: ("ex3_layernorm", "F.layer_norm on fp32", "不可呼叫任何現成的正規化函式或層"),
     nb05_layernorm.normalizes_last_dim_with_affine: ("ex3_layernorm", "weight ignored", "對最後一維正規化"),
     nb05_layernorm.fp32_two_pass_statistics: ("ex3_layernorm", "statistics in half precision", "統計量在 FP32、用 two-pass"),
@@ -36,8 +40,10 @@ CHECKS = {  # check -> (grade_id, a mistake of tests/mutants/nb05.py, words of t
                                               "2 倍規則"),
     nb05_layernorm.fp32_params_keep_x_dtype: ("ex3_layernorm", "output in weight's dtype", "bf16 的 x、fp32 的 weight 與 bias"),
     nb05_layernorm.eps_inside_the_sqrt: ("ex3_layernorm", "eps hard-coded to the default", "用呼叫者傳入的 eps"),
-    nb05_layernorm.layernorm_leaves_inputs_unchanged: ("ex3_layernorm", "in-place centring (changes a float32 x)",
-                                                       "layer_norm_fp32_stats 不修改輸入"),
+    nb05_layernorm.small_eps_kept_in_fp32: ("ex3_layernorm", "eps rounded to x's dtype (torch.tensor(eps).to(x))",
+                                            "eps 很小時輸出仍是有限值（float16 的 x、eps=1e-08"),
+    nb05_layernorm.layernorm_keeps_the_contract: ("ex3_layernorm", "in-place centring (changes a float32 x)",
+                                                  "：不修改輸入"),
     nb05_policy.training_dtypes: ("ex4_policy", "half-precision weights while training", "訓練時 precision_policy('residual_stream', bf16)"),
     nb05_policy.inference_dtypes: ("ex4_policy", "optimizer state in amp_dtype at inference",
                                    "推論時 precision_policy('optimizer_state', bf16) 仍是 FP32"),
@@ -45,9 +51,16 @@ CHECKS = {  # check -> (grade_id, a mistake of tests/mutants/nb05.py, words of t
 }
 
 
+SETUP = "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n"
+CONTRACT = {  # mistake of ex3 -> the rule of layernorm_keeps_the_contract it breaks
+    "rows flattened with .view (x assumed contiguous)": "：輸入可以是 view",
+    "eps as a one-element tensor made on the CPU": "：跟著輸入的裝置",
+}
+
+
 def _answers(grade_id: str | None = None, mistake: str | None = None) -> dict:
     """Every answer cell of the notebook, the one of ``grade_id`` with ``mistake`` substituted."""
-    return answers_namespace(SPEC, "import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n", grade_id, mistake)
+    return answers_namespace(SPEC, SETUP, grade_id, mistake)
 
 
 def _run(check, fn) -> None:
@@ -67,7 +80,7 @@ def test_every_check_of_the_modules_is_tested():
     modules = (nb05, nb05_layernorm, nb05_policy)
     public = {f for m in modules for name, f in vars(m).items() if inspect.isfunction(f) and not name.startswith("_")
               and f.__module__ == m.__name__}
-    helpers = {nb05.returns_0d_in, nb05.leaves_inputs_unchanged, nb05_layernorm.cancelling_inputs}
+    helpers = {nb05.returns_0d_in, nb05_layernorm.cancelling_inputs}
     assert public - helpers == set(CHECKS), sorted(f.__qualname__ for f in public ^ set(CHECKS) - helpers)
 
 
@@ -81,6 +94,20 @@ def test_check_names_the_rule_a_wrong_answer_breaks(check):
     grade_id, mistake, words = CHECKS[check]
     with pytest.raises(AssertionError, match=re.escape(words)):
         _run(check, _answers(grade_id, mistake)[ANSWER[grade_id]])
+
+
+@pytest.mark.parametrize("mistake", CONTRACT)
+def test_the_layernorm_contract_names_each_rule_a_wrong_answer_breaks(mistake):
+    with pytest.raises(AssertionError, match=re.escape(CONTRACT[mistake])):
+        nb05_layernorm.layernorm_keeps_the_contract(_answers("ex3_layernorm", mistake)["layer_norm_fp32_stats"])
+
+
+@pytest.mark.parametrize("accepted", [name for name, _, _ in SPEC.ACCEPTED["ex3_layernorm"]])
+def test_the_new_layernorm_checks_pass_right_answers_written_another_way(accepted):
+    as_mistakes = SimpleNamespace(ASSIGNMENT=SPEC.ASSIGNMENT, MISTAKES=SPEC.ACCEPTED)
+    fn = answers_namespace(as_mistakes, SETUP, "ex3_layernorm", accepted)["layer_norm_fp32_stats"]
+    nb05_layernorm.small_eps_kept_in_fp32(fn)
+    nb05_layernorm.layernorm_keeps_the_contract(fn)
 
 
 def test_returns_0d_in_names_the_call():

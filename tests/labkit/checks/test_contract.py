@@ -75,6 +75,14 @@ def test_a_function_assuming_contiguous_inputs_fails_naming_the_argument(qkv):
         contract.check_views(assumes_contiguous, *qkv, name="ex")
 
 
+def test_an_error_on_a_view_is_reported_as_the_views_rule(qkv):
+    def flattens_by_view(q, k, v):
+        return attention(q.view(-1, *q.shape[-2:]), k.view(-1, *k.shape[-2:]), v.view(-1, *v.shape[-2:]))
+
+    with pytest.raises(AssertionError, match=r"(?s)輸入可以是 view.*出錯 RuntimeError.*\.reshape"):
+        contract.check_views(flattens_by_view, *qkv, name="ex")
+
+
 def test_an_input_changed_in_place_is_named(qkv):
     with pytest.raises(AssertionError, match=r"不修改輸入.*第 2 個參數 有 120 個元素被改了"):
         contract.check_inputs_unchanged(scales_in_place, *qkv, name="ex")
