@@ -69,7 +69,7 @@ def staged_cases(combine_partials: Callable, H: Helpers) -> None:
     q, k, v = H.inputs(1, 4, 2, 50, 32, seed=22)
     merges_like_reference(combine_partials, H, *reference_partials(H, q, k, v, list(range(0, 50, 3)) + [50]), *H.reference(q, k, v),
                           "S = 17（BLOCK_S = 32）、d = 32",
-                          "S、BLOCK_S、HEAD_DIM 都是核心的參數：offs_s = tl.arange(0, BLOCK_S)、offs_d = tl.arange(0, HEAD_DIM)，"
+                          "S、BLOCK_S、HEAD_DIM 都是核心的參數：offs_s 的長度用 BLOCK_S、offs_d 的長度用 HEAD_DIM，"
                           "不要寫死前面例子的 4 段或 d = 16（132 個 SM、batch 1 時 S = 17）。")
 
 

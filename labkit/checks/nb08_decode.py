@@ -78,7 +78,7 @@ def other_key_block(kernel, H: Helpers) -> None:
     with nb08_kernels.shapes_named(name, SIZES_HINT):
         kernel[(2, 2)](q, k, v, o, lse, QK_SCALE_16, 40, H_KV=2, G=4, HEAD_DIM=16, BLOCK_G=16, BLOCK_N=block, PREC="ieee")
     o_ref, lse_ref = H.reference(q, k, v)
-    hint = ("BLOCK_N 是核心的參數：offs_n = start + tl.arange(0, BLOCK_N)、迴圈 range(0, N, BLOCK_N)；不要寫死直譯器的 16"
+    hint = ("BLOCK_N 是核心的參數：offs_n 的長度（tl.arange 的上限）用 BLOCK_N、迴圈 range(0, N, BLOCK_N)；不要寫死直譯器的 16"
             "（GPU 上是 64）。" + SIZES_HINT)
     grading.check_tensor(o.double(), o_ref, name=name + "：o", atol=1e-5, hint=hint)
     grading.check_tensor(lse.double(), lse_ref, name=name + "：lse", atol=1e-5, rtol=1e-6, hint=hint)

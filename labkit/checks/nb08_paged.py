@@ -89,7 +89,7 @@ def staged_cases(paged_split_partials: Callable, paged_decode: Callable, H: Help
             ((4, 8, 2, [0, 33, 16, 70], 16, 32, True, 2), "GQA g = 4、頁大小 32（不等於 d = 16）、長度 0",
              "程式實例 j 的列是查詢 head j·G .. j·G+G-1，K/V 的位址加上 j·d（KV head j）；長度 0 的序列不讀任何頁。" + PAGE_HINT),
             ((1, 32, 1, [37], 16, 16, True, 2), "g = 32（B_G = 32：查詢的列數不是 16）",
-             "BLOCK_G 是核心的參數：offs_g = tl.arange(0, BLOCK_G)，acc、m、l 的列數都是 BLOCK_G；前面的例子 B_G 都是 16。")]:
+             "BLOCK_G 是核心的參數：offs_g 的長度用 BLOCK_G，acc、m、l 的列數都是 BLOCK_G；前面的例子 B_G 都是 16。")]:
         matches_contiguous(paged_split_partials, paged_decode, H, *args, what, hint)
 
 

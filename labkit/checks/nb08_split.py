@@ -96,7 +96,7 @@ def staged_cases(split_kv_partials: Callable, H: Helpers) -> None:
             ((4, 4, 2, 80, 16, [80, 0, 23, 5], 3), "每條序列不同長度（80、0、23、5）",
              "每條序列讀自己的長度 n_b = tl.load(lens_ptr + b)；不是快取的容量 N。長度 0、或短到這段沒有鍵：o_s = 0、lse_s = -inf。", 0),
             ((1, 32, 1, 40, 16, [37], 2), "g = 32（B_G = 32：查詢的列數不是 16）",
-             "BLOCK_G 是核心的參數：offs_g = tl.arange(0, BLOCK_G)，acc、m、l 的列數都是 BLOCK_G；前面的例子 B_G 都是 16。", 4)]:
+             "BLOCK_G 是核心的參數：offs_g 的長度用 BLOCK_G，acc、m、l 的列數都是 BLOCK_G；前面的例子 B_G 都是 16。", 4)]:
         partials_match_reference(split_kv_partials, H, *args, what, hint, seed=seed)
 
 
@@ -114,7 +114,7 @@ def other_key_block(kernel, H: Helpers) -> None:
     for s in range(2):
         lo = torch.full((2,), s * chunk)
         o_ref, lse_ref = H.reference(q, k, v, lo, torch.minimum(lo + chunk, torch.tensor(lens)))
-        hint = "BLOCK_N 是核心的參數：offs_n = start + tl.arange(0, BLOCK_N)、迴圈 range(lo, hi, BLOCK_N)；不要寫死直譯器的 16（GPU 上是 64）。"
+        hint = "BLOCK_N 是核心的參數：offs_n 的長度（tl.arange 的上限）用 BLOCK_N、迴圈 range(lo, hi, BLOCK_N)；不要寫死直譯器的 16（GPU 上是 64）。"
         grading.check_tensor(o_part[:, :, s].double(), o_ref, name=f"{name}：第 {s} 段的 o_s", atol=1e-5, hint=hint)
         grading.check_tensor(lse_part[:, :, s].double(), lse_ref, name=f"{name}：第 {s} 段的 lse_s", atol=1e-5, hint=hint)
 
