@@ -298,13 +298,14 @@ FITTED = {
     "ex1_kv_calculator": [("table of the visible configurations",
                            "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
                            "return {(12, 12, 64, 2): 36864, (1, 1, 1, 1): 2, (32, 1, 1, 1): 64, (32, 8, 128, 2): 131072,\n"
-                           "            (1, 1, 1, 4): 8}[layers, n_kv_heads, head_dim, bytes_per_element]")],
+                           "            (1, 1, 1, 4): 8, (32, 8, 128, 1): 65536, (32, 8, 128, 4): 262144}"
+                           "[layers, n_kv_heads, head_dim, bytes_per_element]")],
     "ex2_decode_kernel": [("head dim fixed at the visible 16 and 32", "offs_d = tl.arange(0, HEAD_DIM)",
                            "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
     "ex3_split_kernel": [("table of the visible split counts", "return max(1, min(fill, blocks))",
                           "return {(1, 8, 4096, 132): 17, (1, 8, 4096, 128): 16, (16, 8, 4096, 132): 2, (4, 8, 4096, 132): 5,\n"
-                          "            (32, 8, 4096, 132): 1, (1, 8, 100, 132): 2, (1, 8, 1024, 132): 16, (1, 8, 0, 132): 1}"
-                          "[batch, n_kv_heads, max_len, n_sms]")],
+                          "            (32, 8, 4096, 132): 1, (1, 8, 100, 132): 2, (1, 8, 1024, 132): 16, (1, 8, 0, 132): 1,\n"
+                          "            (2, 4, 4096, 132): 17, (1, 8, 300, 132): 3}[batch, n_kv_heads, max_len, n_sms]")],
     "ex4_combine_kernel": [("head dim fixed at the visible 16 and 32", "offs_d = tl.arange(0, HEAD_DIM)",
                             "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
     "ex5_page_allocator": [("page size fixed at the visible 3 and 4", "need = -(-(length + n) // self.page_size) - len(pages)",
