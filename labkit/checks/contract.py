@@ -66,7 +66,17 @@ def padded_rows(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
     return buffer[..., :t.shape[-1]]
 
 
+def every_other(t: torch.Tensor) -> torch.Tensor:
+    """t [..., C] as every other element of a [..., 2C] buffer (NaN, or -1, between): the layout of ``lens[::2]``, a
+    strided view also of a 1-D t (lengths [B]). Same values, same shape, not contiguous, last stride 2."""
+    fill = float("nan") if t.is_floating_point() else -1
+    buffer = torch.full((*t.shape[:-1], 2 * t.shape[-1]), fill, dtype=t.dtype, device=t.device)
+    buffer[..., ::2] = t
+    return buffer[..., ::2]
+
+
 LAYOUTS = {"transpose 後的 view": transposed_layout, "切片（slice）的 view": padded_rows}
+VECTOR_LAYOUTS = {"間隔取值（[::2]）的 view": every_other}
 
 
 def _differs(got, want, atol: float | None) -> str:
@@ -93,13 +103,16 @@ def _differs(got, want, atol: float | None) -> str:
     return ""
 
 
-def check_views(fn: Callable, *args, name: str, atol: float | None = None, **kwargs) -> None:
+def check_views(fn: Callable, *args, name: str, atol: float | None = None, vectors: bool = False, **kwargs) -> None:
     """``fn(*args, **kwargs)`` answers the same when each tensor argument of 2+ dims comes as a view
-    (:data:`LAYOUTS`: transposed storage, rows of a wider buffer) with the same values."""
+    (:data:`LAYOUTS`: transposed storage, rows of a wider buffer) with the same values; with ``vectors``, each 1-D
+    one too (:data:`VECTOR_LAYOUTS`: lengths [B] cut as ``lens[::2]``)."""
     want = fn(*args, **kwargs)
-    for layout, make in LAYOUTS.items():
+    tries = [(layout, make, 2) for layout, make in LAYOUTS.items()]
+    tries += [(layout, make, 1) for layout, make in VECTOR_LAYOUTS.items()] if vectors else []
+    for layout, make, dims in tries:
         for which, t in _named_tensors(args, kwargs):
-            if t.dim() < 2 or t.numel() < 2:
+            if (t.dim() < 2 if dims == 2 else t.dim() != 1) or t.numel() < 2:
                 continue
             a, kw = _replace(args, kwargs, which, make(t))
             try:
@@ -173,11 +186,11 @@ def check_follows_device(fn: Callable, *args, name: str, **kwargs) -> None:
 
 
 def check_contract(fn: Callable, *args, name: str, other: Callable[[], object] | None = None, meta: bool = False,
-                   atol: float | None = None, **kwargs) -> None:
-    """:func:`check_inputs_unchanged`, :func:`check_views`, :func:`check_no_state` (when ``other`` is given) and,
-    with ``meta``, :func:`check_follows_device`, on ``fn(*args, **kwargs)``."""
+                   atol: float | None = None, vectors: bool = False, **kwargs) -> None:
+    """:func:`check_inputs_unchanged`, :func:`check_views` (1-D tensors too with ``vectors``), :func:`check_no_state`
+    (when ``other`` is given) and, with ``meta``, :func:`check_follows_device`, on ``fn(*args, **kwargs)``."""
     check_inputs_unchanged(fn, *args, name=name, **kwargs)
-    check_views(fn, *args, name=name, atol=atol, **kwargs)
+    check_views(fn, *args, name=name, atol=atol, vectors=vectors, **kwargs)
     if other is not None:
         check_no_state(lambda: fn(*args, **kwargs), other, name=name, atol=atol)
     if meta:

@@ -52,6 +52,21 @@ def context_and_batch_round_down(max_context, max_batch) -> None:
     grading.check_scalar(max_batch(5 * 10**8, 4096, **LLAMA_GQA, bytes_per_element=2), 0,
                          name="max_batch：一條序列都放不下時是 0", rel=0,
                          hint="一條 4096 個 token 的序列要 536,870,912 位元組，比 5 億位元組多：向下取整是 0，不要把結果墊成至少 1。")
+    own = "用傳入的參數（context、bytes_per_element），不要寫死 notebook 例子裡的 4096 或 bf16 的 2。"
+    for fn, args, expected, what in ((max_batch, (BUDGET, 1000, *LLAMA_GQA.values(), 2), 610, "每條 1000 個 token（不是 4096）"),
+                                     (max_context, (BUDGET, 2, *LLAMA_GQA.values(), 1), 610351, "fp8（每個元素 1 位元組）、batch 2"),
+                                     (max_batch, (BUDGET, 4096, *LLAMA_GQA.values(), 4), 74, "fp32（每個元素 4 位元組）")):
+        grading.check_scalar(fn(*args), expected, name=f"{fn.__name__}{args}：{what}", rel=0, hint=own)
+
+
+def weights_larger_than_memory(max_context, max_batch) -> None:
+    """An 8 GB GPU minus a bf16 8B model's weights (2 x 8.03e9 bytes): a negative budget; no token, no sequence fits: 0."""
+    free = 8 * 2**30 - 2 * 8.03e9
+    for fn, args, what in ((max_context, (free, 1), "最長上下文"), (max_batch, (free, 4096), "最大 batch")):
+        got = fn(*args, **LLAMA_GQA, bytes_per_element=2)
+        grading.check_scalar(got, 0, name=f"{fn.__name__}：記憶體比權重小（8 GB 的 GPU、16 GB 的權重，預算是負的）時{what}是 0",
+                             rel=0, hint="free_bytes 可以是負的（權重就放不下）：負數向下取整還是負數（例如 -56,993 個 token），"
+                                         "一個 token、一條序列都放不下就是 0：最後取 max(0, ...)。")
 
 
 def calculators_return_ints(kv_bytes_per_token, max_context, max_batch) -> None:
@@ -126,6 +141,29 @@ def sequences_interleave(PageAllocator) -> None:
                        hint="n = 0 時需要 ceil(0 / page_size) = 0 頁，回傳空的 int64 張量。")
     grading.check_raises(lambda: b.append(0, -1), ValueError, name="append(seq, -1)：拋出 ValueError",
                          hint="n < 0 沒有意義：raise ValueError(...)。")
+
+
+def out_of_order_free(PageAllocator) -> None:
+    """PageAllocator(7, 3) (pages of 3, not 4): a, b, c hold 2, 2 and 1 pages; a, the first, is freed (not the last
+    allocated); d takes 3 pages, then c is freed and b grows: no page held twice, the slots by each sequence's own pages."""
+    e = PageAllocator(7, 3)
+    lengths = {}
+    for seq, n in (("a", 5), ("b", 6), ("c", 2)):
+        e.append(seq, n)
+        lengths[seq] = n
+    allocator_state_holds(e, lengths, "頁大小 3：a、b、c 各 5、6、2 個 token")
+    for step, (seq, n) in enumerate((("d", 7), ("b", 4))):
+        gone = ("a", "c")[step]
+        e.free(gone)
+        del lengths[gone]
+        start = lengths.get(seq, 0)
+        slots = e.append(seq, n)
+        lengths[seq] = start + n
+        what = f"free({gone!r})（不是最後配置的序列）之後，{seq} 再加 {n} 個 token"
+        allocator_state_holds(e, lengths, what)
+        grading.check_tensor(slots, expected_slots(e, seq, start, n), name=f"{what}：槽位", atol=0,
+                             hint="空閒的頁是一個集合（例如 list 當堆疊），不是「用到第幾頁」的計數器：先配置的序列先還時，"
+                                  "還回來的頁不在尾端，從計數器接著發會發出別的序列正在用的頁。")
 
 
 def _unchanged(alloc, before: tuple, name: str, hint: str) -> None:

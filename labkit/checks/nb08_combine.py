@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.tritonlab import mode as tritonmode
 from labkit.checks import nb08_kernels
@@ -47,7 +48,8 @@ def merges_like_reference(combine_partials: Callable, H: Helpers, o_part, lse_pa
 
 def staged_cases(combine_partials: Callable, H: Helpers) -> None:
     """q [2, 4, 16], a cache [2, 50, 2, 16]: three uneven splits; S = 1; S = 4 with an empty last split; lse shifted by
-    +-1e4 (atol 5e-3: fp32 holds lse to ~1e-3 there); a sequence of length 0 beside one with keys in its first splits."""
+    +-1e4 (atol 5e-3: fp32 holds lse to ~1e-3 there); a sequence of length 0 beside one with keys in its first splits;
+    S = 17 (BLOCK_S = 32, the split count of batch 1 on 132 SMs) with d = 32."""
     q, k, v = H.inputs(2, 4, 2, 50, 16, seed=21)
     o_ref, lse_ref = H.reference(q, k, v)
     merges_like_reference(combine_partials, H, *reference_partials(H, q, k, v, [0, 7, 30, 50]), o_ref, lse_ref,
@@ -64,6 +66,20 @@ def staged_cases(combine_partials: Callable, H: Helpers) -> None:
     merges_like_reference(combine_partials, H, *reference_partials(H, q, k, v, [0, 8, 16, 24], lens),
                           *H.reference(q, k, v, torch.zeros(2, dtype=torch.long), lens),
                           "長度 0 的序列（全部 -inf）與只有前段有鍵的序列", "整列都是 -inf：o = 0、lse = -inf。")
+    q, k, v = H.inputs(1, 4, 2, 50, 32, seed=22)
+    merges_like_reference(combine_partials, H, *reference_partials(H, q, k, v, list(range(0, 50, 3)) + [50]), *H.reference(q, k, v),
+                          "S = 17（BLOCK_S = 32）、d = 32",
+                          "S、BLOCK_S、HEAD_DIM 都是核心的參數：offs_s 的長度用 BLOCK_S、offs_d 的長度用 HEAD_DIM，"
+                          "不要寫死前面例子的 4 段或 d = 16（132 個 SM、batch 1 時 S = 17）。")
+
+
+def keeps_the_contract(combine_partials: Callable, H: Helpers) -> None:
+    """Partials o [2, 2, 3, 16], lse [2, 2, 3]: unchanged after the call; transposed and sliced views of them give the o and
+    lse their contiguous copies give."""
+    q, k, v = H.inputs(2, 2, 2, 50, 16, seed=21)
+    o_part, lse_part = (t.to(H.device) for t in reference_partials(H, q, k, v, [0, 7, 30, 50]))
+    contract.check_inputs_unchanged(combine_partials, o_part, lse_part, torch.float32, name="combine_partials")
+    contract.check_views(combine_partials, o_part, lse_part, torch.float32, name="combine_partials")
 
 
 def _merge64(o_part, lse_part):

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.tritonlab import bounds as tritonbounds, compile as tritoncompile, mode as tritonmode
 from labkit.checks import nb08_kernels
@@ -65,6 +66,30 @@ def staged_cases(decode_attention: Callable, H: Helpers) -> None:
             ((2, 4, 2, 45, 32), "d = 32（不等於 B_N = 16）、N = 45 不是區塊倍數", SIZES_HINT, dict(seed=8)),
             ((1, 32, 1, 21, 32), "g = 32（B_G = 32，不等於 B_N = 16）", SIZES_HINT, dict(seed=9))]:
         matches_reference(decode_attention, H, *args, what, hint, **extra)
+
+
+def other_key_block(kernel, H: Helpers) -> None:
+    """_decode_kernel launched by hand with a key block of 32 (64 where the notebook's B_N is 32; d = 16, B_G = 16):
+    GQA g = 4, N = 40 not a multiple of it; o and lse against the float64 reference."""
+    block = nb08_kernels.other_block(H)
+    q, k, v = H.inputs(2, 8, 2, 40, 16, seed=12)
+    o, lse = torch.empty_like(q), torch.empty(2, 8, device=H.device)
+    name = f"_decode_kernel（BLOCK_N = {block}，不是 notebook 的 {H.block_n}；N = 40，d = 16）"
+    with nb08_kernels.shapes_named(name, SIZES_HINT):
+        kernel[(2, 2)](q, k, v, o, lse, QK_SCALE_16, 40, H_KV=2, G=4, HEAD_DIM=16, BLOCK_G=16, BLOCK_N=block, PREC="ieee")
+    o_ref, lse_ref = H.reference(q, k, v)
+    hint = ("BLOCK_N 是核心的參數：offs_n 的長度（tl.arange 的上限）用 BLOCK_N、迴圈 range(0, N, BLOCK_N)；不要寫死直譯器的 16"
+            "（GPU 上是 64）。" + SIZES_HINT)
+    grading.check_tensor(o.double(), o_ref, name=name + "：o", atol=1e-5, hint=hint)
+    grading.check_tensor(lse.double(), lse_ref, name=name + "：lse", atol=1e-5, rtol=1e-6, hint=hint)
+
+
+def keeps_the_contract(decode_attention: Callable, H: Helpers) -> None:
+    """q [2, 2, 16], k, v [2, 16, 1, 16] (one key tile: each call is a launch of 2 short programs): the inputs unchanged
+    after the call; transposed and sliced views of q, k and v give the o and lse their contiguous copies give."""
+    q, k, v = H.inputs(2, 2, 1, 16, 16, seed=13)
+    contract.check_inputs_unchanged(decode_attention, q, k, v, name="decode_attention")
+    contract.check_views(decode_attention, q, k, v, name="decode_attention")
 
 
 def empty_rows(probe, H: Helpers) -> None:

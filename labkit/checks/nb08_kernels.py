@@ -110,6 +110,12 @@ def no_int32_overflow(launch: Callable, keep: tuple, *, name: str, where: str, h
                        detail=f"位址的計算裡有 {seen['overflows']:,} 個 int32 乘法或加法溢位：GPU 上它們默默繞回，{where}。")
 
 
+def other_block(H: Helpers) -> int:
+    """A key block (or chunk step) other than the notebook's B_N and the hand launches' d = 16 and B_G = 16: 32, or 64
+    where B_N is 32."""
+    return 64 if H.block_n == 32 else 32
+
+
 def own_kernel(fn: Callable, H: Helpers, name: str, forbid: tuple = (F.scaled_dot_product_attention, torch.softmax, F.softmax)) -> None:
     """``fn`` is the student's own code: no labkit, none of ``forbid`` and not the notebook's reference."""
     grading.check_own_code(fn, name=name, forbid=forbid + (H.reference,))

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.tritonlab import mode as tritonmode
 from labkit.decoding import decode
@@ -80,14 +81,27 @@ def padded_rows_not_written(kernel, H: Helpers) -> None:
 
 def staged_cases(paged_split_partials: Callable, paged_decode: Callable, H: Helpers) -> None:
     """Pages in order, S = 1; shuffled, lengths not multiples of the page, d = 32, S = 3; GQA g = 4, pages of 32 (not d),
-    a length 0."""
+    a length 0; g = 32 (B_G = 32)."""
     for args, what, hint in [
             ((2, 2, 2, [32, 32], 16, 16, False, 1), "頁依序、S = 1", PAGE_HINT),
             ((2, 2, 2, [37, 50], 32, 16, True, 3), "頁亂序、長度不是頁大小的倍數、d = 32、S = 3",
              "頁不照順序：一定要透過頁表找實體頁（不能假設第 i 頁就是實體頁 i）。最後一頁只讀 start + offs < hi 的列。" + PAGE_HINT),
             ((4, 8, 2, [0, 33, 16, 70], 16, 32, True, 2), "GQA g = 4、頁大小 32（不等於 d = 16）、長度 0",
-             "程式實例 j 的列是查詢 head j·G .. j·G+G-1，K/V 的位址加上 j·d（KV head j）；長度 0 的序列不讀任何頁。" + PAGE_HINT)]:
+             "程式實例 j 的列是查詢 head j·G .. j·G+G-1，K/V 的位址加上 j·d（KV head j）；長度 0 的序列不讀任何頁。" + PAGE_HINT),
+            ((1, 32, 1, [37], 16, 16, True, 2), "g = 32（B_G = 32：查詢的列數不是 16）",
+             "BLOCK_G 是核心的參數：offs_g 的長度用 BLOCK_G，acc、m、l 的列數都是 BLOCK_G；前面的例子 B_G 都是 16。")]:
         matches_contiguous(paged_split_partials, paged_decode, H, *args, what, hint)
+
+
+def keeps_the_contract(paged_split_partials: Callable, paged_decode: Callable, H: Helpers) -> None:
+    """q [2, 2, 16], shuffled pages of 16 [5, 16, 1, 16], lengths [20, 9], S = 1 (launches of 2 programs):
+    paged_split_partials and paged_decode leave their inputs (the cache, the page table, the lengths) unchanged; transposed
+    and sliced views of q and the pages, a page table cut from a wider one and lengths cut as ``lens[::2]`` give the
+    partials their contiguous copies give."""
+    q, _, _, k_pages, v_pages, table, seqlens = paged_inputs(H, 2, 2, 1, [20, 9], 16, 16, True, seed=14)
+    for fn in (paged_split_partials, paged_decode):
+        contract.check_inputs_unchanged(fn, q, k_pages, v_pages, table, seqlens, 1, name=fn.__name__)
+    contract.check_views(paged_split_partials, q, k_pages, v_pages, table, seqlens, 1, name="paged_split_partials", vectors=True)
 
 
 def _page_lanes(lens, chunk, splits, width) -> int:

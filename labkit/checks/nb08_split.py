@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.tritonlab import bounds as tritonbounds, mode as tritonmode
 from labkit.checks import nb08_kernels
@@ -27,7 +28,9 @@ SPLIT_CASES = [
      "S 不超過 ceil(max_len / block_n)：切得比一個區塊還短，只是多寫部分結果。"),
     ((1, 8, 1024, 132, 64), 16, "上下文剛好是區塊的整數倍：ceil(1024 / 64) = 16，不多切一段",
      "S 不超過 ceil(max_len / block_n)：向上取整寫成 -(-a // b)；a // b + 1 在整除時多一段（1024 // 64 + 1 = 17）。"),
-    ((1, 8, 0, 132, 64), 1, "最長的序列是 0：S = 1", "S = max(1, ...)：沒有鍵時也要有一個程式實例寫出 o = 0、lse = -inf。")]
+    ((1, 8, 0, 132, 64), 1, "最長的序列是 0：S = 1", "S = max(1, ...)：沒有鍵時也要有一個程式實例寫出 o = 0、lse = -inf。"),
+    ((2, 4, 4096, 132, 64), 17, "H_kv = 4、batch 2：ceil(132 / 8) = 17", "程式實例數是 batch × H_kv × S：用傳入的 n_kv_heads，不要寫死 8。"),
+    ((1, 8, 300, 132, 128), 3, "區塊 128：ceil(300 / 128) = 3", "每段至少一個區塊：用傳入的 block_n，不要寫死 64。")]
 
 
 def split_count(choose_num_splits: Callable) -> None:
@@ -91,8 +94,39 @@ def staged_cases(split_kv_partials: Callable, H: Helpers) -> None:
              "HEAD_DIM 是 q、K、V 的欄（offs_d），BLOCK_N 是一塊的鍵數（offs_n 與迴圈的步長）：前面的例子兩者都是 16，"
              "拿一個代替另一個看不出來，這裡才會錯。", 3),
             ((4, 4, 2, 80, 16, [80, 0, 23, 5], 3), "每條序列不同長度（80、0、23、5）",
-             "每條序列讀自己的長度 n_b = tl.load(lens_ptr + b)；不是快取的容量 N。長度 0、或短到這段沒有鍵：o_s = 0、lse_s = -inf。", 0)]:
+             "每條序列讀自己的長度 n_b = tl.load(lens_ptr + b)；不是快取的容量 N。長度 0、或短到這段沒有鍵：o_s = 0、lse_s = -inf。", 0),
+            ((1, 32, 1, 40, 16, [37], 2), "g = 32（B_G = 32：查詢的列數不是 16）",
+             "BLOCK_G 是核心的參數：offs_g 的長度用 BLOCK_G，acc、m、l 的列數都是 BLOCK_G；前面的例子 B_G 都是 16。", 4)]:
         partials_match_reference(split_kv_partials, H, *args, what, hint, seed=seed)
+
+
+def other_key_block(kernel, H: Helpers) -> None:
+    """_split_kernel launched by hand with a key block of 32 (64 where the notebook's B_N is 32), CHUNK = 2 blocks, S = 2,
+    lengths 90 and 50 (not multiples of the block): partials against the float64 reference."""
+    block, lens = nb08_kernels.other_block(H), [90, 50]
+    chunk = 2 * block
+    q, k, v = H.inputs(2, 4, 2, 90, 16, seed=14)
+    o_part, lse_part = torch.empty(2, 4, 2, 16, device=H.device), torch.empty(2, 4, 2, device=H.device)
+    name = f"_split_kernel（BLOCK_N = {block}，不是 notebook 的 {H.block_n}；CHUNK = {chunk}，S = 2，長度 {lens}）"
+    with nb08_kernels.shapes_named(name, "BLOCK_N 是核心的參數：offs_n 與迴圈的步長都用它，不要寫死直譯器的 16。"):
+        kernel[(2, 2, 2)](q, k, v, torch.tensor(lens, dtype=torch.int32, device=H.device), o_part, lse_part, QK_SCALE_16,
+                          90, chunk, 2, H_KV=2, G=2, HEAD_DIM=16, BLOCK_G=16, BLOCK_N=block, PREC="ieee")
+    for s in range(2):
+        lo = torch.full((2,), s * chunk)
+        o_ref, lse_ref = H.reference(q, k, v, lo, torch.minimum(lo + chunk, torch.tensor(lens)))
+        hint = "BLOCK_N 是核心的參數：offs_n 的長度（tl.arange 的上限）用 BLOCK_N、迴圈 range(lo, hi, BLOCK_N)；不要寫死直譯器的 16（GPU 上是 64）。"
+        grading.check_tensor(o_part[:, :, s].double(), o_ref, name=f"{name}：第 {s} 段的 o_s", atol=1e-5, hint=hint)
+        grading.check_tensor(lse_part[:, :, s].double(), lse_ref, name=f"{name}：第 {s} 段的 lse_s", atol=1e-5, hint=hint)
+
+
+def keeps_the_contract(split_kv_partials: Callable, H: Helpers) -> None:
+    """q [2, 2, 16], k, v [2, 16, 1, 16], lengths [13, 7], S = 1 (each call is a launch of 2 short programs): the inputs
+    unchanged after the call; transposed and sliced views of q, k, v and lengths cut as ``lens[::2]`` give the partials
+    their contiguous copies give."""
+    q, k, v = H.inputs(2, 2, 1, 16, 16, seed=15)
+    lens = torch.tensor([13, 7], dtype=torch.int32, device=H.device)
+    contract.check_inputs_unchanged(split_kv_partials, q, k, v, lens, 1, name="split_kv_partials")
+    contract.check_views(split_kv_partials, q, k, v, lens, 1, name="split_kv_partials", vectors=True)
 
 
 def splits_read_own_keys(split_kv_partials: Callable, H: Helpers) -> None:

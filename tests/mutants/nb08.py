@@ -8,6 +8,8 @@ RULES = {
     "ex1_kv_calculator": ["bytes per token = 2 (K and V) x layers x H_kv x d x bytes per element",
                           "each factor on its own: K and V, layers, H_kv (not H_q), element size",
                           "longest context and largest batch rounded down; 0 when one token does not fit",
+                          "a negative budget (8 GB GPU, 16 GB of weights): 0, not a negative count (both calculators)",
+                          "the context and element size passed in (context 1000, fp8, fp32), not 4096 or bf16's 2",
                           "largest batch: 1.75 sequences fit -> 1 (floor, not round); none fits -> 0 (not at least 1)",
                           "Python ints, also for a float budget",
                           "batch sequences share the budget",
@@ -16,6 +18,9 @@ RULES = {
                           "tail tile masked (N not a multiple of the block)",
                           "GQA: KV head j serves query heads j*g .. j*g+g-1 (g = 4 and g = 3 padded to 16 rows)",
                           "head size, key block and query rows of different sizes (d = 32, B_N = 16, B_G = 16 or 32)",
+                          "a key block other than the notebook's (B_N = 32 launched by hand, N = 40 not a multiple of it)",
+                          "inputs unchanged; transposed and sliced views of q, k, v give the same o and lse (o allocated "
+                          "contiguous, not like q)",
                           "padded rows (g = 3 in 16) neither read nor written: o and lse stores masked",
                           "scores near 1e3: the max subtracted, the state rescaled",
                           "a fully masked tile: no NaN; a row with no key gets o = 0, lse = -inf",
@@ -30,8 +35,10 @@ RULES = {
                           "precision in the compiled Triton IR (bf16 and fp16 launches): s, m, l, acc, the exp2 argument and "
                           "lse in fp32; a value converted to the input dtype only a tl.dot operand (p) or stored (o)"],
     "ex3_split_kernel": ["split count: ceil(SMs / (batch x H_kv)), capped at ceil(max_len / block), at least 1 "
-                         "(also when the SMs divide evenly, and when max_len is a multiple of the block)",
-                         "partials equal attention over each split's own keys: S = 1, S = 3 with a tail, GQA, d = 32",
+                         "(also when the SMs divide evenly, and when max_len is a multiple of the block; H_kv = 4, block 128)",
+                         "partials equal attention over each split's own keys: S = 1, S = 3 with a tail, GQA, d = 32, g = 32 (B_G = 32)",
+                         "a key block other than the notebook's (B_N = 32 launched by hand, CHUNK = 2 blocks, tails)",
+                         "inputs unchanged; transposed and sliced views of q, k, v and lengths cut as lens[::2] give the same partials",
                          "padded rows (g = 3 in 16) not written outside the partials",
                          "per-sequence lengths (0, shorter than a split, not a multiple of the block)",
                          "splits with no key: o = 0, lse = -inf, no NaN",
@@ -44,6 +51,8 @@ RULES = {
                          "fp32, acc not rounded before _finish",
                          "no SDPA, softmax or the reference; compiles for sm80 and sm90"],
     "ex4_combine_kernel": ["merged o and lse equal attention over all keys (uneven splits, S = 1, S not a power of 2)",
+                           "S = 17 (BLOCK_S = 32, batch 1 on 132 SMs) with d = 32",
+                           "partials unchanged; transposed and sliced views of them give the same o and lse",
                            "lse near +-1e4: no overflow (exp only of differences from the max)",
                            "-inf partials weigh 0; a row of all -inf gives o = 0, lse = -inf, no NaN",
                            "o in the requested dtype (bf16)",
@@ -58,10 +67,15 @@ RULES = {
                            "out of pages: MemoryError naming the pages needed and free, and nothing changed (no new sequence "
                            "registered, a partly filled last page left as it was)",
                            "free returns every page and forgets the sequence; pages reused; KeyError for unknown sequences",
+                           "pages of 3: a sequence freed out of order (not the last allocated), its pages reused, none handed "
+                           "out twice while in use",
                            "any hashable sequence name; no labkit"],
     "ex6_paged_kernel": ["padded rows (g = 3 in 16) not written outside the partials",
                          "partials and merged o equal attention over the contiguous cache: pages in order and shuffled",
-                         "per-sequence lengths (0, not a multiple of the page); GQA; S = 1 and 3; page size != head size",
+                         "per-sequence lengths (0, not a multiple of the page); GQA; S = 1 and 3; page size != head size; "
+                         "g = 32 (B_G = 32)",
+                         "the cache, page table and lengths unchanged; transposed and sliced views of q and the pages, a page "
+                         "table cut from a wider one and lengths cut as lens[::2] give the same partials",
                          "only tokens within the length read; the loop stops at the length, not the chunk: page-table "
                          "padding (an invalid page id) not read (elements and load lanes counted)",
                          "S = 3, lengths 96 and 20: each split walks its own pages only, from s * CHUNK to min((s + 1) * CHUNK, "
@@ -76,22 +90,29 @@ RULES = {
 MISTAKES = {
     "ex1_kv_calculator": [
         ("largest batch rounded to the nearest integer",
-         "return int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))",
-         "return round(free_bytes / (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))"),
+         "int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))",
+         "round(free_bytes / (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))"),
         ("largest batch at least 1 (one sequence always served)",
-         "return int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))",
-         "return max(1, int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element))))"),
+         "return max(0, int(free_bytes // (context *", "return max(1, int(free_bytes // (context *"),
         ("K and V not both counted", "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
          "return layers * n_kv_heads * head_dim * bytes_per_element"),
         ("layers left out", "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
          "return 2 * n_kv_heads * head_dim * bytes_per_element"),
         ("element size left out", "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
          "return 2 * layers * n_kv_heads * head_dim"),
-        ("true division: a float context", "return int(free_bytes // (batch *", "return (free_bytes / (batch *"),
+        ("true division: a float context", "int(free_bytes // (batch *", "(free_bytes / (batch *"),
         ("batch ignored", "int(free_bytes // (batch * kv_bytes_per_token", "int(free_bytes // (1 * kv_bytes_per_token"),
-        ("no int() for a float budget", "return int(free_bytes // (batch *", "return (free_bytes // (batch *"),
-        ("batch rounded up", "return int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))",
-         "return int(-(-free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element))))"),
+        ("no int() for a float budget", "int(free_bytes // (batch *", "(free_bytes // (batch *"),
+        ("batch rounded up", "int(free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))",
+         "int(-(-free_bytes // (context * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element))))"),
+        ("negative budget not clamped at 0 (max_context)", "return max(0, int(free_bytes // (batch *",
+         "return (int(free_bytes // (batch *"),
+        ("negative budget not clamped at 0 (max_batch)", "return max(0, int(free_bytes // (context *",
+         "return (int(free_bytes // (context *"),
+        ("context fixed at 4096 in max_batch", "(context * kv_bytes_per_token", "(4096 * kv_bytes_per_token"),
+        ("element size fixed at bf16's 2 in max_context",
+         "(batch * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element))",
+         "(batch * kv_bytes_per_token(layers, n_kv_heads, head_dim, 2))"),
     ],
     "ex2_decode_kernel": [
         ("exp instead of exp2 (scores in log2 units)", "p = tl.math.exp2(s - shift[:, None])", "p = tl.exp(s - shift[:, None])"),
@@ -128,6 +149,12 @@ MISTAKES = {
         ("running max initialised to 0",
          'm_i = tl.full([BLOCK_G], float("-inf"), tl.float32)\n    l_i = tl.zeros([BLOCK_G], tl.float32)\n    kv_base',
          'm_i = tl.zeros([BLOCK_G], tl.float32)\n    l_i = tl.zeros([BLOCK_G], tl.float32)\n    kv_base'),
+        ("o allocated like q (empty_like copies a transposed q's strides)",
+         "o = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)", "o = torch.empty_like(q)"),
+        ("q scaled in place on the host (the caller's q changed)",
+         "_decode_kernel[(b, hkv)](q.contiguous(), k.contiguous(), v.contiguous(), o, lse, d ** -0.5 * LOG2E, n,",
+         "_decode_kernel[(b, hkv)](q.mul_(d ** -0.5 * LOG2E).contiguous(), k.contiguous(), v.contiguous(), o, lse, 1.0, n,"),
+        ("key block fixed at the interpreter's 16", "offs_n = start + tl.arange(0, BLOCK_N)", "offs_n = start + tl.arange(0, 16)"),
     ],
     "ex3_split_kernel": [
         ("floor instead of ceil for the SM fill", "fill = -(-n_sms // (batch * n_kv_heads))", "fill = n_sms // (batch * n_kv_heads)"),
@@ -161,6 +188,17 @@ MISTAKES = {
          "tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o.to(q.dtype), mask=row_ok[:, None])"),
         ("acc rounded to the input dtype once, before _finish", "o, lse = _finish(acc, m_i, l_i)",
          "o, lse = _finish(acc.to(q.dtype).to(tl.float32), m_i, l_i)"),
+        ("H_kv fixed at 8 in the SM fill", "fill = -(-n_sms // (batch * n_kv_heads))", "fill = -(-n_sms // (batch * 8))"),
+        ("block fixed at 64 in the cap", "blocks = -(-max_len // block_n)", "blocks = -(-max_len // 64)"),
+        ("key block fixed at the interpreter's 16", "offs_n = start + tl.arange(0, BLOCK_N)", "offs_n = start + tl.arange(0, 16)"),
+        ("query rows fixed at 16 (B_G of every g <= 16)", "offs_g = tl.arange(0, BLOCK_G)", "offs_g = tl.arange(0, 16)"),
+        ("lengths handed to the kernel as they come (a strided view read as contiguous)",
+         "seqlens.to(torch.int32).contiguous(),", "seqlens.to(torch.int32),"),
+        ("q scaled in place on the host (the caller's q changed)",
+         "q.contiguous(), k.contiguous(), v.contiguous(), seqlens.to(torch.int32).contiguous(),\n"
+         "                                        o_part, lse_part, d ** -0.5 * LOG2E,",
+         "q.mul_(d ** -0.5 * LOG2E).contiguous(), k.contiguous(), v.contiguous(), seqlens.to(torch.int32).contiguous(),\n"
+         "                                        o_part, lse_part, 1.0,"),
     ],
     "ex4_combine_kernel": [
         ("plain average of the partials", "w = tl.exp(lse_s - shift)",
@@ -176,6 +214,10 @@ MISTAKES = {
         ("o_s loaded without the split mask (BLOCK_S padding read)", "mask=valid[:, None],\n                  other=0.0)", ")"),
         ("lse rounded to o's dtype before its fp32 store", "tl.store(lse_ptr + r, lse)",
          "tl.store(lse_ptr + r, lse.to(o_ptr.dtype.element_ty))"),
+        ("head dim fixed at 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)"),
+        ("BLOCK_S fixed at 4 (every visible S was <= 4)", "offs_s = tl.arange(0, BLOCK_S)", "offs_s = tl.arange(0, 4)"),
+        ("partials handed to the kernel as they come (a view read as contiguous)",
+         "_combine_kernel[(b * hq,)](o_part.contiguous(), lse_part.contiguous(),", "_combine_kernel[(b * hq,)](o_part, lse_part,"),
     ],
     "ex5_page_allocator": [
         ("a page too many at the boundary", "need = -(-(length + n) // self.page_size) - len(pages)",
@@ -195,6 +237,11 @@ MISTAKES = {
          "        if seq in self._length:                                # fill the last page's room first\n"
          "            self._length[seq] = min(length + n, len(pages) * self.page_size)\n"
          "        if need > len(self._free):\n"),
+        ("pages handed out by a counter of pages in use (an out-of-order free hands out a page in use)",
+         "pages = pages + [self._free.pop() for _ in range(need)]",
+         "pages = pages + [self.num_pages - len(self._free) + i for i in range(need)]\n"
+         "        del self._free[len(self._free) - need:]"),
+        ("page size fixed at 4", "need = -(-(length + n) // self.page_size) - len(pages)", "need = -(-(length + n) // 4) - len(pages)"),
     ],
     "ex6_paged_kernel": [
         ("page table ignored (pages assumed in order)",
@@ -232,6 +279,14 @@ MISTAKES = {
          "tl.store(o_part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], o.to(q.dtype), mask=row_ok[:, None])"),
         ("partial lse_s rounded to the input dtype", "tl.store(lse_part_ptr + part, lse, mask=row_ok)",
          "tl.store(lse_part_ptr + part, lse.to(q.dtype), mask=row_ok)"),
+        ("query rows fixed at 16 (B_G of every g <= 16)", "offs_g = tl.arange(0, BLOCK_G)", "offs_g = tl.arange(0, 16)"),
+        ("K/V pages handed to the kernel as they come (a view of the pool read as contiguous)",
+         "k_pages.contiguous(), v_pages.contiguous(),", "k_pages, v_pages,"),
+        ("K pages scaled in place on the host (the caller's cache changed)",
+         "k_pages.contiguous(), v_pages.contiguous(), block_table.to(torch.int32).contiguous(),\n"
+         "        seqlens.to(torch.int32).contiguous(),\n        o_part, lse_part, d ** -0.5 * LOG2E,",
+         "k_pages.mul_(d ** -0.5 * LOG2E).contiguous(), v_pages.contiguous(), block_table.to(torch.int32).contiguous(),\n"
+         "        seqlens.to(torch.int32).contiguous(),\n        o_part, lse_part, 1.0,"),
     ],
 }
 
@@ -243,18 +298,27 @@ FITTED = {
     "ex1_kv_calculator": [("table of the visible configurations",
                            "return 2 * layers * n_kv_heads * head_dim * bytes_per_element",
                            "return {(12, 12, 64, 2): 36864, (1, 1, 1, 1): 2, (32, 1, 1, 1): 64, (32, 8, 128, 2): 131072,\n"
-                           "            (1, 1, 1, 4): 8}[layers, n_kv_heads, head_dim, bytes_per_element]")],
+                           "            (1, 1, 1, 4): 8, (32, 8, 128, 1): 65536, (32, 8, 128, 4): 262144}"
+                           "[layers, n_kv_heads, head_dim, bytes_per_element]")],
     "ex2_decode_kernel": [("head dim fixed at the visible 16 and 32", "offs_d = tl.arange(0, HEAD_DIM)",
                            "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
     "ex3_split_kernel": [("table of the visible split counts", "return max(1, min(fill, blocks))",
                           "return {(1, 8, 4096, 132): 17, (1, 8, 4096, 128): 16, (16, 8, 4096, 132): 2, (4, 8, 4096, 132): 5,\n"
-                          "            (32, 8, 4096, 132): 1, (1, 8, 100, 132): 2, (1, 8, 1024, 132): 16, (1, 8, 0, 132): 1}"
-                          "[batch, n_kv_heads, max_len, n_sms]")],
-    "ex4_combine_kernel": [("head dim fixed at the visible 16", "offs_d = tl.arange(0, HEAD_DIM)", "offs_d = tl.arange(0, 16)")],
-    "ex5_page_allocator": [("page size fixed at the visible 4", "need = -(-(length + n) // self.page_size) - len(pages)",
-                            "need = -(-(length + n) // 4) - len(pages)")],
+                          "            (32, 8, 4096, 132): 1, (1, 8, 100, 132): 2, (1, 8, 1024, 132): 16, (1, 8, 0, 132): 1,\n"
+                          "            (2, 4, 4096, 132): 17, (1, 8, 300, 132): 3}[batch, n_kv_heads, max_len, n_sms]")],
+    "ex4_combine_kernel": [("head dim fixed at the visible 16 and 32", "offs_d = tl.arange(0, HEAD_DIM)",
+                            "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
+    "ex5_page_allocator": [("page size fixed at the visible 3 and 4", "need = -(-(length + n) // self.page_size) - len(pages)",
+                            "need = -(-(length + n) // (3 if self.page_size == 3 else 4)) - len(pages)")],
     "ex6_paged_kernel": [("head dim fixed at the visible 16 and 32", "offs_d = tl.arange(0, HEAD_DIM)",
                           "offs_d = tl.arange(0, 32 if HEAD_DIM == 32 else 16)")],
+}
+
+# grade_id -> [(name, text in the answer, replacement)]: right answers written another way the prose allows: must pass
+ACCEPTED = {
+    "ex1_kv_calculator": [("negative budget clamped before the division",
+                           "return max(0, int(free_bytes // (batch * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element))))",
+                           "return int(max(0, free_bytes) // (batch * kv_bytes_per_token(layers, n_kv_heads, head_dim, bytes_per_element)))")],
 }
 
 # A key tile loaded past the cache's end: the extra scores are masked afterwards, so the values stay right; the visible

@@ -7,10 +7,11 @@ import re
 import sys
 
 import pytest
+import torch
 from mutants import load
 from notebook_grader import NotebookRunner, exercises, setup_cells
 
-from labkit.checks import nb08, nb08_combine, nb08_decode, nb08_paged, nb08_split
+from labkit.checks import contract, nb08, nb08_combine, nb08_decode, nb08_paged, nb08_split
 
 SPEC = load("nb08")
 ITEMS = {e.grade_id: e for e in exercises(SPEC.ASSIGNMENT)}
@@ -37,6 +38,30 @@ CHECKS = {  # check -> (grade_id, names its arguments take from the notebook, a 
                                          "partials stored without the row mask", "多出來的列沒有寫到 o_part、lse_part 之外"),
     nb08_paged.offsets_64bit: ("ex6_paged_kernel", ("_paged_split_kernel", "HELPERS"), "page id not widened to 64 bits",
                                "位址以 64 位元計算"),
+    nb08.weights_larger_than_memory: ("ex1_kv_calculator", ("max_context", "max_batch"),
+                                      "negative budget not clamped at 0 (max_batch)", "max_batch：記憶體比權重小"),
+    nb08.out_of_order_free: ("ex5_page_allocator", ("PageAllocator",),
+                             "pages handed out by a counter of pages in use (an out-of-order free hands out a page in use)",
+                             "沒有一頁同時屬於兩個地方"),
+    nb08_decode.other_key_block: ("ex2_decode_kernel", ("_decode_kernel", "HELPERS"), "key block fixed at the interpreter's 16",
+                                  "BLOCK_N = 32，不是 notebook 的 16"),
+    nb08_decode.keeps_the_contract: ("ex2_decode_kernel", ("decode_attention", "HELPERS"),
+                                     "o allocated like q (empty_like copies a transposed q's strides)", "decode_attention：輸入可以是 view"),
+    nb08_split.other_key_block: ("ex3_split_kernel", ("_split_kernel", "HELPERS"), "key block fixed at the interpreter's 16",
+                                 "BLOCK_N = 32，不是 notebook 的 16"),
+    nb08_split.keeps_the_contract: ("ex3_split_kernel", ("split_kv_partials", "HELPERS"),
+                                    "lengths handed to the kernel as they come (a strided view read as contiguous)", "間隔取值"),
+    nb08_combine.keeps_the_contract: ("ex4_combine_kernel", ("combine_partials", "HELPERS"),
+                                      "partials handed to the kernel as they come (a view read as contiguous)",
+                                      "combine_partials：輸入可以是 view"),
+    nb08_paged.keeps_the_contract: ("ex6_paged_kernel", ("paged_split_partials", "paged_decode", "HELPERS"),
+                                    "K pages scaled in place on the host (the caller's cache changed)", "paged_split_partials：不修改輸入"),
+}
+VIEW_MISTAKES = {  # a given wrapper of 08 -> (grade_id, the mistake that reads a view as contiguous)
+    "decode_attention": ("ex2_decode_kernel", "o allocated like q (empty_like copies a transposed q's strides)"),
+    "split_kv_partials": ("ex3_split_kernel", "lengths handed to the kernel as they come (a strided view read as contiguous)"),
+    "combine_partials": ("ex4_combine_kernel", "partials handed to the kernel as they come (a view read as contiguous)"),
+    "paged_split_partials": ("ex6_paged_kernel", "K/V pages handed to the kernel as they come (a view of the pool read as contiguous)"),
 }
 
 
@@ -97,3 +122,44 @@ def test_the_modules_are_reached_from_the_notebook_import():
 
     for part in ("nb08", "nb08_combine", "nb08_decode", "nb08_kernels", "nb08_paged", "nb08_split"):
         assert getattr(lk.checks, part) is sys.modules[f"labkit.checks.{part}"]
+
+
+def _wrapper_calls(ns) -> dict:
+    """Every given wrapper of 08 -> its tensor arguments (small shapes, lengths below the capacity) and fixed ones."""
+    q, k, v = ns["decode_inputs"](2, 4, 2, 20, 16, seed=1)
+    lens = torch.tensor([20, 7], dtype=torch.int32)
+    o_part, lse_part, _ = ns["split_kv_partials"](q, k, v, lens, 2)
+    _, _, _, k_pages, v_pages, table, _ = nb08_paged.paged_inputs(ns["HELPERS"], 2, 4, 2, [20, 7], 16, 16, True, seed=1)
+    paged = ((q, k_pages, v_pages, table, lens), (2,))
+    return {"decode_attention": ((q, k, v), ()), "split_kv_partials": ((q, k, v, lens), (2,)),
+            "combine_partials": ((o_part, lse_part), (torch.float32,)), "decode_split": ((q, k, v, lens), (2,)),
+            "paged_split_partials": paged, "paged_decode": paged}
+
+
+@pytest.fixture(scope="module")
+def wrappers(runner):
+    """The runner with cell-026 run too: decode_split (the given wrapper of exercises 3 and 4) is defined there."""
+    runner.run(setup_cells(SPEC.ASSIGNMENT, ["def decode_split("])[0])
+    return runner
+
+
+@pytest.mark.parametrize("wrapper", ["decode_attention", "split_kv_partials", "combine_partials", "decode_split",
+                                     "paged_split_partials", "paged_decode"])
+def test_every_given_wrapper_answers_views_like_contiguous_inputs_and_keeps_them(wrapper, wrappers):
+    ns = wrappers.namespace
+    tensors, fixed = _wrapper_calls(ns)[wrapper]
+    contract.check_views(ns[wrapper], *tensors, *fixed, name=wrapper, vectors=True)
+    contract.check_inputs_unchanged(ns[wrapper], *tensors, *fixed, name=wrapper)
+
+
+@pytest.mark.parametrize("wrapper", VIEW_MISTAKES)
+def test_a_wrapper_reading_a_view_as_contiguous_fails_the_view_check(wrapper, wrappers):
+    grade_id, mistake = VIEW_MISTAKES[wrapper]
+    (old, new), = [(old, new) for what, old, new in SPEC.MISTAKES[grade_id] if what == mistake]
+    tensors, fixed = _wrapper_calls(wrappers.namespace)[wrapper]
+    wrappers.run(ITEMS[grade_id].mutate(old, new))
+    try:
+        with pytest.raises(AssertionError, match=re.escape(f"{wrapper}：輸入可以是 view")):
+            contract.check_views(wrappers.namespace[wrapper], *tensors, *fixed, name=wrapper, vectors=True)
+    finally:
+        wrappers.run(ITEMS[grade_id].answer)

@@ -146,3 +146,20 @@ def test_differences_within_a_few_ulps_pass_and_larger_ones_fail():
     assert "最大誤差 0.25" in contract._differs(x + 0.25, x, None)
     assert "NaN 位置不同：1" in contract._differs(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]), None)
     assert contract._differs((1, "a"), (1, "a"), None) == "" and contract._differs(3, 4, None) == "得到 3，原本是 4"
+
+
+def test_lengths_are_tried_as_strided_views_when_asked():
+    lens = torch.tensor([3, 1, 4], dtype=torch.int32)
+    view = contract.every_other(lens)
+    assert torch.equal(view, lens) and view.stride() == (2,) and contract.every_other(torch.ones(2, 3)).stride(-1) == 2
+
+    def reads_storage(lengths):
+        """Reads the lengths' storage as if contiguous (a kernel handed lens.data_ptr() alone)."""
+        return torch.as_strided(lengths, lengths.shape, (1,)).clone()
+
+    contract.check_views(reads_storage, lens, name="ex")                       # 1-D tensors: only when asked
+    contract.check_views(lambda lengths: lengths.contiguous() * 2, lens, name="ex", vectors=True)
+    with pytest.raises(AssertionError, match=r"輸入可以是 view.*第 1 個參數.*間隔取值"):
+        contract.check_views(reads_storage, lens, name="ex", vectors=True)
+    with pytest.raises(AssertionError, match="間隔取值"):
+        contract.check_contract(reads_storage, lens, name="ex", vectors=True)
