@@ -25,6 +25,9 @@ def test_time_fn_cpu_measures_the_call():
     assert t.p20_ms <= t.median_ms <= t.p80_ms
     assert 2.0 <= t.median_ms < 50, f"a 2 ms sleep timed as {t.median_ms:.3f} ms"
     assert 5 <= t.reps <= 50 and t.reps <= math.ceil(30 / 2.0)  # about target_ms / (time of one call)
+    if len(calls) == 2 + 5:  # a loaded machine: the 5 estimate calls alone filled target_ms and are the timing
+        assert t.reps == 5, "when the estimate fills target_ms, its calls are the reps"
+        return
     settle = int(0.25 * 30 / t.median_ms)  # the clock-settling warm-up: about target_ms / 4
     assert 2 + 5 + t.reps <= len(calls) <= 2 + 5 + settle + 1 + t.reps, (
         "warm-up calls, the estimate, a short settling warm-up, then one call per rep")
