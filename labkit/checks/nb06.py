@@ -196,11 +196,13 @@ def compiles_without_tf32(run: Callable[[], object], *, name: str, hint: str) ->
 
 
 def function_matches_autograd(function, device, saved_hint: str = "") -> None:
-    """function.apply(q, k, v, causal), q, k, v [2, 2, 70, 16] fp32, causal and not: forward returns o only, Triton
-    kernels run forward and backward, o (atol 1e-5), the one saved lse [2, 2, 70] and the gradients (atol 1e-4) match
-    autograd through labkit's reference; both forwards run before both backwards (no state kept between calls)."""
+    """function.apply(q, k, v, causal), q [2, 2, 70, 16], k, v [2, 2, 50, 16] (N != N_k) fp32, causal and not: forward
+    returns o only, Triton kernels run forward and backward, o (atol 1e-5), the one saved lse [2, 2, 70] and the
+    gradients (atol 1e-4) match autograd through labkit's reference; both forwards run before both backwards (no state
+    kept between calls)."""
     torch.manual_seed(9)
-    q, k, v = (torch.randn(2, 2, 70, 16, device=device, requires_grad=True) for _ in range(3))
+    q = torch.randn(2, 2, 70, 16, device=device, requires_grad=True)
+    k, v = (torch.randn(2, 2, 50, 16, device=device, requires_grad=True) for _ in range(2))   # N != N_k
     do = torch.randn(2, 2, 70, 16, device=device)
     outs = {}
     with tritonmode.launches() as launched:   # both forwards, then both backwards: is_causal kept per call, on ctx
@@ -230,11 +232,11 @@ def function_matches_autograd(function, device, saved_hint: str = "") -> None:
 
 
 def function_layouts_and_bf16(function, device) -> None:
-    """[batch, n, d] inputs q [2, 48, 16], k, v [2, 40, 16] (N != N_k; one saved lse [2, 48]; o and gradients vs labkit's
-    reference), then bf16 [1, 2, 40, 16] in -> bf16 out and bf16 gradients."""
+    """[batch, n, d] inputs q [2, 48, 16], k, v [2, 40, 16] (N != N_k; inputs left unchanged; one saved lse [2, 48]; o
+    and gradients vs labkit's reference), then bf16 [1, 2, 40, 16] in -> bf16 out and bf16 gradients."""
     q = torch.randn(2, 48, 16, device=device, requires_grad=True)
     k, v = (torch.randn(2, 40, 16, device=device, requires_grad=True) for _ in range(2))
-    o = function.apply(q, k, v, False)
+    o = contract.check_inputs_unchanged(function.apply, q, k, v, False, name="TritonFlashAttention")
     lse_like = [t for t in o.grad_fn.saved_tensors if tuple(t.shape) == (2, 48)]
     grading.check_true(len(lse_like) == 1, name="TritonFlashAttention: [batch, n, d] input saves one lse [batch, n]",
                        detail=f"找到 {len(lse_like)} 個形狀 (2, 48) 的張量。", hint="lse 的形狀是 q.shape[:-1]，不要假設 4 維。")

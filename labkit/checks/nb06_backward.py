@@ -139,8 +139,8 @@ def padded_rows_backward(kernels: tuple, device) -> None:
 def backward_stages(backward, device) -> None:
     """backward(q, k, v, o, lse, do, is_causal) -> (dq, dk, dv), d = 16, fp32, in the order of STAGES: accesses inside
     the tensors, both kernels launched, then dV, dK, dQ (shape, no NaN, vs float64 autograd, atol 1e-4), no tensor as
-    large as [..., N, N_k] built; then the last stage once more on transposed views of every input (same gradients,
-    views left unchanged)."""
+    large as [..., N, N_k] built; the first stage once more on transposed views of every input (same gradients, views
+    left unchanged)."""
     torch.manual_seed(7)
     for what, lead, n, nk, causal, hint in STAGES:
         q = torch.randn(*lead, n, 16, device=device)
@@ -167,7 +167,9 @@ def backward_stages(backward, device) -> None:
                            detail=f"建立了 {created.largest} 個元素的張量；[..., N, N_k] 的 P 或 dP 是 {scores} 個。",
                            hint="反向也不建立 N x N_k 的矩陣：D = rowsum(dO ∘ O) 由 _bwd_preprocess 逐列算（不要在主機端用 P ∘ dP 求和），"
                                 "P、dP、dS 只在核心裡逐塊重算。")
-    contract.check_views_once(backward, q, k, v, o, lse, do, name="flash_attention_backward", want=grads, is_causal=causal)
+        if what == STAGES[0][0]:   # once, on the smallest stage: every input as a transposed view, left unchanged
+            contract.check_views_once(backward, q, k, v, o, lse, do, name="flash_attention_backward", want=grads,
+                                      is_causal=causal)
 
 
 def _within_2x(backward, q, k, v, do, causal, name, hint) -> None:

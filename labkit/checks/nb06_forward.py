@@ -163,8 +163,8 @@ def padded_query_rows_not_stored(fwd_kernel, device) -> None:
 def forward_stages(forward, device) -> None:
     """forward(q, k, v, is_causal) -> (o, lse), d = 16, fp32, in the order of STAGES: loads and stores inside the
     tensors, _fwd_kernel launched, shapes, no NaN, o and lse vs float64 (atol 1e-5), no tensor as large as the
-    [..., N, N_k] scores built; then the last stage once more on q, k, v as transposed views (same o and lse, views
-    left unchanged)."""
+    [..., N, N_k] scores built; the first stage once more on q, k, v as transposed views (same o and lse, views left
+    unchanged)."""
     torch.manual_seed(5)
     for what, lead, n, nk, causal, hint in STAGES:
         q = torch.randn(*lead, n, 16, device=device)
@@ -191,7 +191,8 @@ def forward_stages(forward, device) -> None:
                            detail=f"建立了 {created.largest} 個元素的張量；[..., N, N_k] 的分數是 {scores} 個。",
                            hint="FlashAttention 不建立 N x N_k 的分數矩陣：lse 也在核心裡算（_fwd_store 存 (m + log2 l) * ln 2），"
                                 "不要在主機端用 q @ k^T 與 torch.logsumexp 補算。")
-    contract.check_views_once(forward, q, k, v, name="flash_attention_forward", want=(o, lse), is_causal=causal)
+        if what == STAGES[0][0]:   # once, on the smallest stage: q, k, v as transposed views, left unchanged
+            contract.check_views_once(forward, q, k, v, name="flash_attention_forward", want=(o, lse), is_causal=causal)
 
 
 def forward_ir_fp32(forward, device, shape=(1, 1, 40, 16), causal=True, dtypes=(torch.bfloat16, torch.float16),
