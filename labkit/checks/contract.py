@@ -4,7 +4,8 @@ A student's function passes the notebook's cases and still breaks in a model whe
 prose allows. Each check here tries one such assumption on the call the test cell already makes:
 
 - :func:`check_views`: tensors that are views (the layout of q after ``.view(B, N, H, d).transpose(1, 2)``, or
-  rows cut from a wider buffer) give the answer their contiguous copies give;
+  rows cut from a wider buffer) give the answer their contiguous copies give; :func:`check_views_once` tries every
+  tensor argument as a view in one call (and that the call leaves them unchanged), for answers slow to run;
 - :func:`check_inputs_unchanged`: the call leaves every tensor it was handed as it was (no ``&=``, ``mul_``);
 - :func:`check_no_state`: the same call gives the same answer again, after a call configured differently
   (nothing kept on the class, in a global or in a cache keyed by less than the arguments);
@@ -77,6 +78,9 @@ def every_other(t: torch.Tensor) -> torch.Tensor:
 
 LAYOUTS = {"transpose 後的 view": transposed_layout, "切片（slice）的 view": padded_rows}
 VECTOR_LAYOUTS = {"間隔取值（[::2]）的 view": every_other}
+VIEW_HINT = ("模型傳入的 q、k、v 常是 transpose 或切片後的 view。要嘛先 .contiguous()，要嘛把每個張量自己的 .stride() 傳給 "
+             "kernel；輸出用 torch.empty(形狀) 配置，或 empty_like(連續的副本)，不要用 empty_like(輸入)（它沿用輸入的 stride）；"
+             "攤平或改形狀用 .reshape，.view 遇到不連續的張量會出錯。")
 
 
 def _differs(got, want, atol: float | None) -> str:
@@ -119,11 +123,31 @@ def check_views(fn: Callable, *args, name: str, atol: float | None = None, vecto
                 diff = _differs(fn(*a, **kw), want, atol)
             except Exception as error:  # noqa: BLE001 - e.g. .view() of a non-contiguous tensor: report the rule
                 diff = f"出錯 {type(error).__name__}: {str(error)[:200]}"
-            grading.check_true(not diff, name=f"{name}：輸入可以是 view", detail=(
-                f"{which} 換成同值的{layout}（不連續，non-contiguous）後結果不同：{diff}。"),
-                hint="模型傳入的 q、k、v 常是 transpose 或切片後的 view。要嘛先 .contiguous()，要嘛把每個張量自己的 "
-                     ".stride() 傳給 kernel；輸出用 torch.empty(形狀) 配置，不要用 empty_like(輸入)（它沿用輸入的 stride）；"
-                     "攤平或改形狀用 .reshape，.view 遇到不連續的張量會出錯。")
+            grading.check_true(not diff, name=f"{name}：輸入可以是 view", hint=VIEW_HINT, detail=(
+                f"{which} 換成同值的{layout}（不連續，non-contiguous）後結果不同：{diff}。"))
+
+
+def check_views_once(fn: Callable, *args, name: str, want=None, atol: float | None = None, **kwargs):
+    """One call ``fn`` with every tensor argument of 2+ dims as a view (:func:`transposed_layout`) answers ``want``
+    (the answer on the contiguous arguments; computed first when None) and leaves those views unchanged:
+    :func:`check_views` and :func:`check_inputs_unchanged` in a single extra call (a second, on contiguous copies,
+    only when the answers differ: an input changed in place through a view of it). Returns fn's result on the views."""
+    if want is None:
+        want = fn(*args, **kwargs)
+
+    def view(value):
+        return transposed_layout(value) if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.numel() >= 2 else value
+
+    views, kw_views = tuple(view(a) for a in args), {k: view(v) for k, v in kwargs.items()}
+    got = check_inputs_unchanged(fn, *views, name=name, **kw_views)
+    which = "、".join(n for n, t in _named_tensors(args, kwargs) if t.dim() >= 2 and t.numel() >= 2)
+    diff = _differs(got, want, atol)
+    if diff:   # contiguous copies next: an input changed in place (a view's copy is changed, not the view) shows there
+        copy = lambda value: value.clone() if isinstance(value, torch.Tensor) else value  # noqa: E731
+        check_inputs_unchanged(fn, *(copy(a) for a in args), name=name, **{k: copy(v) for k, v in kwargs.items()})
+    grading.check_true(not diff, name=f"{name}：輸入可以是 view", hint=VIEW_HINT, detail=(
+        f"{which} 換成同值的 view（transpose 後的 view 或切片：不連續，non-contiguous）後結果不同：{diff}。"))
+    return got
 
 
 def check_inputs_unchanged(fn: Callable, *args, name: str, **kwargs):

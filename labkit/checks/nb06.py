@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.engine import attention
 from labkit.tritonlab import bounds as tritonbounds, compile as tritoncompile, mode as tritonmode
@@ -45,6 +46,22 @@ def tile_ranges(range_fn, n: int, nk: int, bm: int, bn: int, causal: bool, devic
     return got.tolist()
 
 
+class LargestNewTensor(torch.overrides.TorchFunctionMode):
+    """The most elements of any tensor a torch call returns inside the block (a function mode: the calls the answer
+    makes, not the interpreter's own copies that a dispatch mode such as grading.largest_new_tensor also sees)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
 def attention64(q, k, v, causal):
     """float64 attention, bottom-right aligned causal mask: o and lse (-inf, o = 0 on a row that sees no key)."""
     return attention.reference_attention(q.double(), k.double(), v.double(), causal=causal)
@@ -64,7 +81,8 @@ def softmax_padding_not_stored(softmax_kernel, device) -> None:
 
 def softmax_values(softmax, device) -> None:
     """softmax(x) [..., n] launches softmax_kernel, calls no torch.softmax, and matches torch.softmax (atol 1e-6) on
-    rows of 50 (a masked tail), logits in the hundreds and logits near -200; bf16 in -> bf16 out, same shape."""
+    rows of 50 (a masked tail), also on x as a transposed view (left unchanged), logits in the hundreds and logits near
+    -200; bf16 in -> bf16 out, same shape."""
     torch.manual_seed(1)
     x = torch.randn(2, 7, 50, device=device)
     with tritonmode.launches() as launched:
@@ -76,6 +94,7 @@ def softmax_values(softmax, device) -> None:
                            forbid=(torch.softmax, torch.Tensor.softmax, F.softmax))
     grading.check_tensor(y, torch.softmax(x, dim=-1), name="softmax: values (rows of 50, a masked tail)", atol=1e-6,
                          hint="BLOCK = triton.next_power_of_2(列長)；遮罩外讀成 -inf（不是 0），exp(-inf) = 0 才不影響總和。")
+    contract.check_views_once(softmax, x, name="softmax", want=y)               # x as q's transposed layout, once
     big = torch.randn(3, 50, device=device) * 300                                  # logits in the hundreds
     grading.check_tensor(softmax(big), torch.softmax(big, dim=-1), name="softmax: logits in the hundreds (no overflow)",
                          atol=1e-6, hint="數值穩定：先減去每列的最大值再取 exp（e^300 在 fp32 是 inf，inf/inf = NaN）。")
@@ -93,15 +112,34 @@ def softmax_values(softmax, device) -> None:
 
 
 def softmax_block_follows_row(softmax, device) -> None:
-    """softmax launches softmax_kernel with BLOCK = next_power_of_2(n) for rows [3, n] of 50, of 64 and of 300."""
-    for n_cols in (50, 64, 300):
+    """softmax launches softmax_kernel with BLOCK = next_power_of_2(n) for rows [3, n] of 50, of 64 and of 300, and
+    for one row of 3000 (past a cap of 1024), whose values match torch.softmax (freed memory filled with NaN first, so
+    columns left unwritten show)."""
+    for rows, n_cols in ((3, 50), (3, 64), (3, 300), (1, 3000)):
+        x = torch.randn(rows, n_cols, device=device)
+        grading.fill_freed_memory(x)
         with tritoncompile.recorded() as launched:
-            softmax(torch.randn(3, n_cols, device=device))
+            y = softmax(x)
         blocks = sorted({launch.args.get("BLOCK") for launch in launched if launch.kernel == "softmax_kernel"})
-        grading.check_true(blocks == [triton.next_power_of_2(n_cols)], name=f"softmax: BLOCK for rows of {n_cols}",
+        hint = ("BLOCK = triton.next_power_of_2(x2.shape[1])：隨列長而變，不要寫死，也不要設上限（寫死 64 的核心只看得到每列的前 64 個；"
+                "上限 1024 的核心在 3000 的列留下沒寫的欄）。")
+        grading.check_true(blocks == [triton.next_power_of_2(n_cols)], name=f"softmax: BLOCK for rows of {n_cols}", hint=hint,
                            detail=f"列長 {n_cols} 時 softmax_kernel 以 BLOCK = {blocks} 啟動，應為 "
-                                  f"{triton.next_power_of_2(n_cols)}（大於等於列長的最小 2 的次方）。",
-                           hint="BLOCK = triton.next_power_of_2(x2.shape[1])：隨列長而變，不要寫死（寫死 64 的核心只看得到每列的前 64 個）。")
+                                  f"{triton.next_power_of_2(n_cols)}（大於等於列長的最小 2 的次方）。")
+    grading.check_tensor(y, torch.softmax(x, dim=-1), name="softmax: one row of 3000 (longer than 1024)", atol=1e-6,
+                         hint=hint)
+
+
+def softmax_offsets_64bit(softmax_kernel, device) -> None:
+    """In the interpreter (else nothing): softmax_kernel launched by hand on one row of 50 with the row's program id
+    raised past 2^26 (row * n_cols past 2^31 elements, as 16K tokens of a 128K vocabulary reach) makes no int32
+    overflow."""
+    x, y = torch.randn(1, 50, device=device), torch.empty(1, 50, device=device)
+    head_offsets_64bit(lambda: softmax_kernel[(1,)](x, y, 50, BLOCK=64), (x, y), axis=0, pid=2**26,
+                       name="softmax_kernel: 64-bit row offsets (row past 2^26, rows of 50)",
+                       detail="列編號 2^26 起（row * n_cols 超過 2^31），核心裡有 {overflows} 個 int32 加減乘的結果溢位。",
+                       hint="先把列的程式實例編號 tl.program_id(0) 轉成 tl.int64，再乘 n_cols（同練習 2–5 的 head 偏移量）；32 位元在 GPU 上會悄悄繞回，"
+                            "讀寫到別的列（16K 個詞元、128K 的詞彙表，logits 就超過 2^31 個元素）。")
 
 
 def softmax_ir_fp32(softmax, device, shape=(3, 50), dtypes=(torch.bfloat16, torch.float16),
@@ -137,12 +175,13 @@ def causal_tiles_skipped(run: Callable[[bool], object], *, ratio: float, name: s
 
 
 def head_offsets_64bit(launch: Callable[[], object], keep: tuple, *, name: str, detail: str, hint: str,
-                       pid: int = 2**23) -> None:
-    """In the interpreter (else nothing): ``launch()`` with the head's program id raised by ``pid`` (offsets past 2^31
-    elements on tiny tensors ``keep``) makes no int32 +, -, * overflow. ``detail`` formats {overflows}."""
+                       pid: int = 2**23, axis: int = 1) -> None:
+    """In the interpreter (else nothing): ``launch()`` with the program id of grid ``axis`` (the head's) raised by
+    ``pid`` (offsets past 2^31 elements on tiny tensors ``keep``) makes no int32 +, -, * overflow. ``detail`` formats
+    {overflows}."""
     if tritonmode.current() != "interpreter":
         return
-    with tritonbounds.int32_overflows(keep=keep, pid_offset=(0, pid, 0)) as seen:
+    with tritonbounds.int32_overflows(keep=keep, pid_offset=tuple(pid if i == axis else 0 for i in range(3))) as seen:
         launch()
     grading.check_true(seen["overflows"] == 0, name=name, detail=detail.format(overflows=seen["overflows"]), hint=hint)
 
@@ -157,16 +196,20 @@ def compiles_without_tf32(run: Callable[[], object], *, name: str, hint: str) ->
 
 
 def function_matches_autograd(function, device, saved_hint: str = "") -> None:
-    """function.apply(q, k, v, causal), q, k, v [2, 2, 70, 16] fp32, causal and not: forward returns o only, Triton
-    kernels run forward and backward, o (atol 1e-5), the one saved lse [2, 2, 70] and the gradients (atol 1e-4) match
-    autograd through labkit's reference."""
+    """function.apply(q, k, v, causal), q [2, 2, 70, 16], k, v [2, 2, 50, 16] (N != N_k) fp32, causal and not: forward
+    returns o only, Triton kernels run forward and backward, o (atol 1e-5), the one saved lse [2, 2, 70] and the
+    gradients (atol 1e-4) match autograd through labkit's reference; both forwards run before both backwards (no state
+    kept between calls)."""
     torch.manual_seed(9)
-    q, k, v = (torch.randn(2, 2, 70, 16, device=device, requires_grad=True) for _ in range(3))
+    q = torch.randn(2, 2, 70, 16, device=device, requires_grad=True)
+    k, v = (torch.randn(2, 2, 50, 16, device=device, requires_grad=True) for _ in range(2))   # N != N_k
     do = torch.randn(2, 2, 70, 16, device=device)
-    for causal in (False, True):
-        with tritonmode.launches() as launched:
-            o = function.apply(q, k, v, causal)
-            grads = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    outs = {}
+    with tritonmode.launches() as launched:   # both forwards, then both backwards: is_causal kept per call, on ctx
+        for causal in (False, True):
+            outs[causal] = function.apply(q, k, v, causal)
+        grads = {causal: torch.autograd.grad(outs[causal], (q, k, v), do, retain_graph=True) for causal in (False, True)}
+    for causal, o in outs.items():
         grading.check_true(isinstance(o, torch.Tensor), name="TritonFlashAttention.forward: returns o only",
                            detail=f"forward 應只回傳 o（一個張量），卻回傳 {type(o).__name__}。")
         grading.check_true(launched["_fwd_kernel"] >= 1 and launched["_bwd_dkdv_kernel"] >= 1,
@@ -182,25 +225,30 @@ def function_matches_autograd(function, device, saved_hint: str = "") -> None:
                            hint=saved_hint)
         grading.check_tensor(lse_like[0], lse_ref, name="TritonFlashAttention: saved lse values", atol=1e-5)
         grads_ref = torch.autograd.grad(o_ref, (q, k, v), do)
-        for name, g, e in zip(("dq", "dk", "dv"), grads, grads_ref):
-            grading.check_tensor(g, e, name=f"TritonFlashAttention: {name} (causal={causal})", atol=1e-4,
-                                 hint="backward 要用 ctx 存下的 is_causal。")
+        for name, g, e in zip(("dq", "dk", "dv"), grads[causal], grads_ref):
+            grading.check_tensor(g, e, name=f"TritonFlashAttention: {name} (causal={causal}; two forwards, then two backwards)",
+                                 atol=1e-4, hint="backward 要用這一次呼叫存在 ctx 上的 is_causal（ctx.is_causal = is_causal）："
+                                                 "存在 class 或全域變數上，兩次 forward 之後再做 backward 時，前一次的反向會用到後一次的設定。")
 
 
 def function_layouts_and_bf16(function, device) -> None:
-    """[batch, n, d] inputs [2, 48, 16] (one saved lse [2, 48]; o and gradients vs labkit's reference), then bf16
-    [1, 2, 40, 16] in -> bf16 out and bf16 gradients."""
-    q, k, v = (torch.randn(2, 48, 16, device=device, requires_grad=True) for _ in range(3))
-    o = function.apply(q, k, v, False)
+    """[batch, n, d] inputs q [2, 48, 16], k, v [2, 40, 16] (N != N_k; inputs left unchanged; one saved lse [2, 48]; o
+    and gradients vs labkit's reference), then bf16 [1, 2, 40, 16] in -> bf16 out and bf16 gradients."""
+    q = torch.randn(2, 48, 16, device=device, requires_grad=True)
+    k, v = (torch.randn(2, 40, 16, device=device, requires_grad=True) for _ in range(2))
+    o = contract.check_inputs_unchanged(function.apply, q, k, v, False, name="TritonFlashAttention")
     lse_like = [t for t in o.grad_fn.saved_tensors if tuple(t.shape) == (2, 48)]
     grading.check_true(len(lse_like) == 1, name="TritonFlashAttention: [batch, n, d] input saves one lse [batch, n]",
                        detail=f"找到 {len(lse_like)} 個形狀 (2, 48) 的張量。", hint="lse 的形狀是 q.shape[:-1]，不要假設 4 維。")
     o_ref, _ = attention.reference_attention(q, k, v)
-    grading.check_tensor(o, o_ref, name="TritonFlashAttention: [batch, n, d] o", atol=1e-5)
+    grading.check_tensor(o, o_ref, name="TritonFlashAttention: [batch, n, d] o (N = 48, N_k = 40)", atol=1e-5)
     ones = torch.ones_like(o)
     grads = torch.autograd.grad(o, (q, k, v), ones)
     for name, g, e in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(o_ref, (q, k, v), ones)):
-        grading.check_tensor(g, e, name=f"TritonFlashAttention: [batch, n, d] {name}", atol=1e-4)
+        grading.check_true(tuple(g.shape) == tuple(e.shape), name=f"TritonFlashAttention: [batch, n, d] {name} shape (N = 48, N_k = 40)",
+                           detail=f"{name} 應為 {tuple(e.shape)}（與輸入同形狀），得到 {tuple(g.shape)}。",
+                           hint="dk、dv 的形狀是 k、v 的（N_k 可以不等於 N），不是 q 的：直接回傳 flash_attention_backward 的 dq, dk, dv。")
+        grading.check_tensor(g, e, name=f"TritonFlashAttention: [batch, n, d] {name} (N = 48, N_k = 40)", atol=1e-4)
     qb, kb, vb = (torch.randn(1, 2, 40, 16, device=device).to(torch.bfloat16).requires_grad_() for _ in range(3))
     ob = function.apply(qb, kb, vb, True)
     grading.check_true(ob.dtype == torch.bfloat16, name="TritonFlashAttention: bf16 in -> bf16 out",

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from labkit.checks import contract, nb06
 from labkit.core import grading
 from labkit.engine import attention
 from labkit.tritonlab import bounds as tritonbounds, compile as tritoncompile, mode as tritonmode
-from labkit.checks import nb06
 
 RULE_BWD = "D = rowsum(dO ∘ O)、dK、dV、dQ 以 fp32 計算與累加（只在 tl.dot 之前把 P、dS 轉成輸入的 dtype），存回時才轉型"
 QUERY_RANGE_CASES = [(100, 100, 16, 32, False), (100, 100, 16, 32, True), (40, 100, 16, 32, True), (100, 40, 16, 32, True),
@@ -138,14 +138,16 @@ def padded_rows_backward(kernels: tuple, device) -> None:
 
 def backward_stages(backward, device) -> None:
     """backward(q, k, v, o, lse, do, is_causal) -> (dq, dk, dv), d = 16, fp32, in the order of STAGES: accesses inside
-    the tensors, both kernels launched, then dV, dK, dQ (shape, no NaN, vs float64 autograd, atol 1e-4)."""
+    the tensors, both kernels launched, then dV, dK, dQ (shape, no NaN, vs float64 autograd, atol 1e-4), no tensor as
+    large as [..., N, N_k] built; the first stage once more on transposed views of every input (same gradients, views
+    left unchanged)."""
     torch.manual_seed(7)
     for what, lead, n, nk, causal, hint in STAGES:
         q = torch.randn(*lead, n, 16, device=device)
         k, v = (torch.randn(*lead, nk, 16, device=device) for _ in range(2))
         do = torch.randn_like(q)
         o, lse, expected = gradients64(q, k, v, do, causal)
-        with tritonmode.launches() as launched, tritonbounds.outside_accesses() as outside:
+        with tritonmode.launches() as launched, nb06.LargestNewTensor() as created, tritonbounds.outside_accesses() as outside:
             grads = backward(q, k, v, o, lse, do, is_causal=causal)
         name = f"flash_attention_backward ({what})"
         tritonbounds.check_inside(outside, name=name + ": loads and stores inside the tensors",
@@ -160,6 +162,14 @@ def backward_stages(backward, device) -> None:
                                detail=f"{g} 應為 {tuple(want[g].shape)}，得到 {tuple(getattr(got[g], 'shape', ()))}。")
             grading.check_true(not got[g].isnan().any(), name=f"{name}: {g} has no NaN", detail=f"{g} 有 NaN。", hint=hint)
             grading.check_tensor(got[g].double(), want[g], name=f"{name}: {g}", atol=1e-4, hint=CAUSES[g] + " " + hint)
+        scores = q.numel() // 16 * nk
+        grading.check_true(created.largest < scores, name=name + ": no [..., N, N_k] tensor built",
+                           detail=f"建立了 {created.largest} 個元素的張量；[..., N, N_k] 的 P 或 dP 是 {scores} 個。",
+                           hint="反向也不建立 N x N_k 的矩陣：D = rowsum(dO ∘ O) 由 _bwd_preprocess 逐列算（不要在主機端用 P ∘ dP 求和），"
+                                "P、dP、dS 只在核心裡逐塊重算。")
+        if what == STAGES[0][0]:   # once, on the smallest stage: every input as a transposed view, left unchanged
+            contract.check_views_once(backward, q, k, v, o, lse, do, name="flash_attention_backward", want=grads,
+                                      is_causal=causal)
 
 
 def _within_2x(backward, q, k, v, do, causal, name, hint) -> None:
@@ -238,7 +248,7 @@ def backward_precision(backward, preprocess, device) -> None:
 
 
 def backward_grids_and_reads(backward, kernels: tuple, device, offsets_hint: str = "") -> None:
-    """The grids follow the tuned tiles (one backward, N = 40, with both kernels' configs swapped for 16 x 16); in the
+    """The grids follow the tuned tiles (one backward, N = 40, with each kernel's BLOCK_M and BLOCK_N swapped); in the
     interpreter: both kernels skip causal tiles at N = 256 (<= 72% of the non-causal loads) and the three kernels use
     64-bit head offsets (launched by hand with the head's program id past 2^23). kernels: (preprocess, dkdv, dq)."""
     _, dkdv, dq_kernel = kernels
@@ -247,12 +257,14 @@ def backward_grids_and_reads(backward, kernels: tuple, device, offsets_hint: str
     og, lseg, want = gradients64(qg, kg, vg, dog, False)
     saved_configs = dkdv.configs, dq_kernel.configs
     try:
-        dkdv.configs = dq_kernel.configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})]
+        dkdv.configs = [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16})]    # each kernel's interpreter tiles swapped
+        dq_kernel.configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
+        grading.fill_freed_memory(qg)                                       # rows left unwritten read NaN
         got = backward(qg, kg, vg, og, lseg, dog)
     finally:
         dkdv.configs, dq_kernel.configs = saved_configs
     for g, got_g, want_g in zip(("dq", "dk", "dv"), got, want):
-        grading.check_tensor(got_g.double(), want_g, name=f"flash_attention_backward: tuned tiles 16 x 16 (N = 40): {g}", atol=1e-4,
+        grading.check_tensor(got_g.double(), want_g, name=f"flash_attention_backward: tuned tiles swapped (dK/dV 32 x 16, dQ 16 x 32; N = 40): {g}", atol=1e-4,
                              hint="網格跟著自動調校選的區塊走：dK/dV 核心 lambda meta: (triton.cdiv(N_k, meta[\"BLOCK_N\"]), BH)，"
                                   "dQ 核心 lambda meta: (triton.cdiv(N, meta[\"BLOCK_M\"]), BH)；不要把直譯器的區塊大小寫死。")
     backward_skips_causal_tiles(backward, device, n=256, d=16, name="flash_attention_backward: causal tiles skipped",

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from labkit.checks import contract, nb06
 from labkit.core import grading
 from labkit.engine import attention
 from labkit.tritonlab import bounds as tritonbounds, compile as tritoncompile, mode as tritonmode
-from labkit.checks import nb06
 
 RULE_FWD_IR = ("分數 s、m、l、acc、exp2 的引數與 lse 都以 fp32 計算；只有 tl.dot 的運算元（p.to(v.dtype)）與存回的 o "
                "轉成輸入的 dtype")
@@ -162,12 +162,14 @@ def padded_query_rows_not_stored(fwd_kernel, device) -> None:
 
 def forward_stages(forward, device) -> None:
     """forward(q, k, v, is_causal) -> (o, lse), d = 16, fp32, in the order of STAGES: loads and stores inside the
-    tensors, _fwd_kernel launched, shapes, no NaN, o and lse vs float64 (atol 1e-5)."""
+    tensors, _fwd_kernel launched, shapes, no NaN, o and lse vs float64 (atol 1e-5), no tensor as large as the
+    [..., N, N_k] scores built; the first stage once more on q, k, v as transposed views (same o and lse, views left
+    unchanged)."""
     torch.manual_seed(5)
     for what, lead, n, nk, causal, hint in STAGES:
         q = torch.randn(*lead, n, 16, device=device)
         k, v = (torch.randn(*lead, nk, 16, device=device) for _ in range(2))
-        with tritonmode.launches() as launched, tritonbounds.outside_accesses() as outside:
+        with tritonmode.launches() as launched, nb06.LargestNewTensor() as created, tritonbounds.outside_accesses() as outside:
             o, lse = forward(q, k, v, is_causal=causal)
         name = f"flash_attention_forward ({what})"
         tritonbounds.check_inside(outside, name=name + ": loads and stores inside the tensors",
@@ -184,6 +186,13 @@ def forward_stages(forward, device) -> None:
         grading.check_tensor(o.double(), o_ref, name=name + ": o", atol=1e-5, hint=hint)
         grading.check_tensor(lse.double(), lse_ref, name=name + ": lse", atol=1e-5,
                              hint="lse = (m + log2(l)) * ln(2)：m 以 log2 為單位，存自然對數；看不到任何鍵的列是 -inf。" + hint)
+        scores = q.numel() // 16 * nk
+        grading.check_true(created.largest < scores, name=name + ": no [..., N, N_k] tensor built",
+                           detail=f"建立了 {created.largest} 個元素的張量；[..., N, N_k] 的分數是 {scores} 個。",
+                           hint="FlashAttention 不建立 N x N_k 的分數矩陣：lse 也在核心裡算（_fwd_store 存 (m + log2 l) * ln 2），"
+                                "不要在主機端用 q @ k^T 與 torch.logsumexp 補算。")
+        if what == STAGES[0][0]:   # once, on the smallest stage: q, k, v as transposed views, left unchanged
+            contract.check_views_once(forward, q, k, v, name="flash_attention_forward", want=(o, lse), is_causal=causal)
 
 
 def forward_ir_fp32(forward, device, shape=(1, 1, 40, 16), causal=True, dtypes=(torch.bfloat16, torch.float16),
@@ -245,18 +254,19 @@ def forward_precision(forward, device) -> None:
 
 
 def forward_grid_and_reads(forward, fwd_kernel, device, offsets_hint: str = "") -> None:
-    """The grid follows the tuned BLOCK_M (one forward, N = 40, with fwd_kernel's only config swapped for 16 x 16); in
+    """The grid follows the tuned BLOCK_M (one forward, N = 40, with fwd_kernel's only config swapped for 16 x 32); in
     the interpreter: causal tiles skipped at N = 256 (<= 85% of the non-causal loads), the padded query rows of
     N = 40 not read, and 64-bit head offsets (fwd_kernel launched by hand with the head's program id past 2^23)."""
     gen = torch.Generator().manual_seed(22)
     saved_configs = fwd_kernel.configs
     try:
-        fwd_kernel.configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})]
+        fwd_kernel.configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
         qg, kg, vg = (torch.randn(1, 1, 40, 16, generator=gen).to(device) for _ in range(3))
+        grading.fill_freed_memory(qg)                                       # rows left unwritten read NaN
         og, _ = forward(qg, kg, vg)
     finally:
         fwd_kernel.configs = saved_configs
-    grading.check_tensor(og.double(), nb06.attention64(qg, kg, vg, False)[0], name="flash_attention_forward: tuned BLOCK_M = 16 (N = 40): o",
+    grading.check_tensor(og.double(), nb06.attention64(qg, kg, vg, False)[0], name="flash_attention_forward: tuned BLOCK_M = 16, BLOCK_N = 32 (N = 40): o",
                          atol=1e-5, hint="網格跟著自動調校選的區塊走：grid = lambda meta: (triton.cdiv(N, meta[\"BLOCK_M\"]), BH)；"
                                          "不要把直譯器的 32 寫死（GPU 上選的是 64 或 128）。")
     qs, ks, vs = (torch.randn(1, 1, 256, 16, device=device) for _ in range(3))

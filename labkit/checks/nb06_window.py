@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from labkit.checks import contract, nb06
 from labkit.core import grading
 from labkit.engine import attention
 from labkit.tritonlab import bounds as tritonbounds, compile as tritoncompile, mode as tritonmode
-from labkit.checks import nb06
 
 RULE_GQA = "m、l、acc 以 fp32 累加（_fwd_tile），o 存成 q 的 dtype、lse 存成 fp32"
 CASES = [(4, 2, 50, 100, False, None), (4, 1, 60, 120, True, 10), (4, 2, 40, 72, False, 9), (2, 1, 36, 20, True, 4),
          (4, 2, 40, 20, False, None),    # no window, N - 1 > N_k: a query sees keys up to N - 1 after it
          (2, 1, 64, 65, True, 8),        # the last row's own key starts a key tile (hi)
          (2, 1, 64, 72, True, 25)]       # the first row's leftmost key ends a key tile (lo)
+CONTRACT_CASE = 3   # the case also run on transposed views and with block_m = 64, block_n = 32 (a small one, N < 64)
 
 
 def window_mask(n: int, nk: int, causal: bool, window, device=None) -> torch.Tensor:
@@ -40,30 +41,29 @@ def gqa_window_reference(q, k, v, causal, window, dtype=torch.float64):
     return attention.reference_attention(q.to(dtype), k, v, mask=keep)
 
 
-class LargestNewTensor(torch.overrides.TorchFunctionMode):
-    """The most elements of any tensor a torch call returns inside the block (a function mode: the calls the answer
-    makes, not the interpreter's own copies that a dispatch mode such as grading.largest_new_tensor also sees)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
+def _views_and_block_sizes(gqa, q, k, v, causal, window, want) -> None:
+    """gqa on transposed views of q, k, v (views left unchanged), then with block_m = 64, block_n = 32 after freed memory
+    is filled with NaN (rows a hard-coded BLOCK_M leaves unwritten show): both give ``want`` (o, lse)."""
+    contract.check_views_once(gqa, q, k, v, name="attention_gqa_window", want=want, is_causal=causal, window=window)
+    grading.fill_freed_memory(q)                                      # rows left unwritten read NaN
+    o_b, lse_b = gqa(q, k, v, is_causal=causal, window=window, block_m=64, block_n=32)
+    for what, got, right in zip(("o", "lse"), (o_b, lse_b), want):
+        grading.check_tensor(got, right, atol=1e-5,
+                             name=f"attention_gqa_window: block_m = 64, block_n = 32 (N = {q.shape[-2]}): {what}",
+                             hint="block_m、block_n 是參數：網格 triton.cdiv(N, block_m) 與核心的 BLOCK_M=block_m、BLOCK_N=block_n "
+                                  "都用它們，不要寫死 32、16（BLOCK_M 寫死 32、網格用 block_m = 64 時，每個查詢區塊的後半列沒有寫）。")
 
 
 def gqa_window_values(gqa, device) -> None:
     """gqa(q, k, v, is_causal, window) -> (o, lse) for each of CASES (Hq, Hkv, N, N_k, causal, window; B = 2, d = 16):
-    accesses inside the tensors, the kernel launched, K/V not repeated, no NaN, o and lse vs float64 (atol 1e-5)."""
+    accesses inside the tensors, the kernel launched, K/V not repeated, no NaN, o and lse vs float64 (atol 1e-5); case
+    CONTRACT_CASE also on transposed views of q, k, v (same answer, views unchanged) and with block_m = 64, block_n = 32
+    (freed memory filled with NaN first: rows left unwritten show)."""
     torch.manual_seed(11)
     for hq, hkv, n, nk, causal, window in CASES:
         q = torch.randn(2, hq, n, 16, device=device)
         k, v = (torch.randn(2, hkv, nk, 16, device=device) for _ in range(2))
-        with tritonmode.launches() as launched, LargestNewTensor() as created, tritonbounds.outside_accesses() as outside:
+        with tritonmode.launches() as launched, nb06.LargestNewTensor() as created, tritonbounds.outside_accesses() as outside:
             o, lse = gqa(q, k, v, is_causal=causal, window=window)
         name = f"attention_gqa_window: Hq={hq}, Hkv={hkv}, N={n}, Nk={nk}, causal={causal}, window={window}"
         tritonbounds.check_inside(outside, name=name + ": loads and stores inside the tensors",
@@ -81,6 +81,8 @@ def gqa_window_values(gqa, device) -> None:
                                   "非因果時右側也有 window 個鍵，因果時右側到 pos 為止。window=None 是看得見全部的鍵：非因果時查詢 i "
                                   "與鍵 j 的距離最多是 max(N, Nk) - 1（pos 可以是負的），所以不能用 Nk 當成「沒有視窗」（預設用 N + Nk）。")
         grading.check_tensor(lse.double(), lse_ref, name=name + ": lse", atol=1e-5)
+        if (hq, hkv, n, nk, causal, window) == CASES[CONTRACT_CASE]:
+            _views_and_block_sizes(gqa, q, k, v, causal, window, want=(o, lse))
 
 
 def gqa_window_precision(gqa, kernel, device, offsets_hint: str = "") -> None:

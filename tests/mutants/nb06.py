@@ -435,8 +435,8 @@ FITTED = {
                             "return dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)",
                             "return (dq.reshape(q.shape[0], -1, n, d), dk.reshape(k.shape[0], -1, nk, d),\n"
                             "            dv.reshape(v.shape[0], -1, nk, d))")],
-    "ex4_flash_function": [("gradients shaped like q (N_k = N only)", "return dq, dk, dv, None",
-                            "return dq, dk.view_as(q), dv.view_as(q), None")],
+    "ex4_flash_function": [("saved lse squeezed as if it were [..., N, 1] (wrong at N = 1 only)",
+                            "ctx.save_for_backward(q, k, v, o, lse)", "ctx.save_for_backward(q, k, v, o, lse.squeeze(-1))")],
     "ex5_gqa_window": [("window = 0 taken as no window (truthiness)", "window = n + nk if window is None else int(window)",
                         "window = n + nk if not window else int(window)")],
 }
@@ -461,4 +461,75 @@ MISTAKES["ex3_flash_backward"] += [
 MISTAKES["ex5_gqa_window"] += [
     ("V tile loaded past N_K", "v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=inside[:, None], other=0.0)",
      "v = tl.load(v_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :])"),
+]
+
+# Issue 58, the contract of each graded function (labkit.checks.contract): inputs that are views (one call on
+# transposed q, k, v, also checking that the call leaves them unchanged), block sizes and row lengths past the
+# visible constants (freed memory filled with NaN so rows left unwritten show), N != N_k, no [..., N, N_k] tensor,
+# no state between calls, 64-bit row offsets in the softmax.
+RULES["ex1_softmax"] += [
+    "x as a transposed view (non-contiguous): same values, x left unchanged (one call)",
+    "one row of 3000 (longer than 1024): BLOCK = 4096 and values (freed memory filled with NaN)",
+    "64-bit row offsets: softmax_kernel launched by hand with the row's program id past 2^26, no int32 overflow",
+]
+RULES["ex2_flash_forward"] += [
+    "no tensor as large as the [..., N, N_k] scores built (torch calls watched in every stage)",
+    "q, k, v as transposed views (non-contiguous): same o and lse, inputs left unchanged (one call)",
+    "the tuned tiles varied: BLOCK_M = 16, BLOCK_N = 32 (freed memory filled with NaN)",
+]
+RULES["ex3_flash_backward"] += [
+    "no tensor as large as [..., N, N_k] built (torch calls watched in every stage)",
+    "q, k, v, o, lse, dO as transposed views (non-contiguous): same gradients, inputs left unchanged (one call)",
+    "the tuned tiles varied: dK/dV 32 x 16, dQ 16 x 32 (freed memory filled with NaN)",
+]
+RULES["ex4_flash_function"] += [
+    "N != N_k (N = 70, N_k = 50 causal and not; [batch, n, d] N = 48, N_k = 40): o, and gradients of k's and v's shape",
+    "the forward leaves q, k, v unchanged",
+    "no state between calls: two forwards (non-causal, causal), then both backwards",
+]
+RULES["ex5_gqa_window"] += [
+    "q, k, v as transposed views (non-contiguous): same o and lse, inputs left unchanged (one call)",
+    "block_m = 64, block_n = 32 (away from the defaults 32, 16): same o and lse (freed memory filled with NaN)",
+]
+MISTAKES["ex1_softmax"] += [
+    ("output allocated like the input (its strides)", "y = torch.empty_like(x2)", "y = torch.empty_like(x)"),
+    ("softmax written over the input (in place)", "y = torch.empty_like(x2)", "y = x2"),
+    ("BLOCK capped at 1024", "BLOCK=triton.next_power_of_2(x2.shape[1])",
+     "BLOCK=min(triton.next_power_of_2(x2.shape[1]), 1024)"),
+    ("32-bit row offsets", "row = tl.program_id(0).to(tl.int64)", "row = tl.program_id(0)"),
+]
+MISTAKES["ex2_flash_forward"] += [
+    ("output allocated like q (its strides)", "o = torch.empty_like(q3)", "o = torch.empty_like(q)"),
+    ("q scaled in place on the host (the caller's q changed)",
+     "q3, k3, v3 = _as_heads(q), _as_heads(k), _as_heads(v)",
+     "q3, k3, v3 = _as_heads(q).mul_(d ** -0.5), _as_heads(k), _as_heads(v)"),
+    ("dense N x N_k logsumexp on the host",
+     "return o.reshape(q.shape), lse.reshape(q.shape[:-1])",
+     "s = (q.float() @ k.float().transpose(-2, -1)) * d ** -0.5\n"
+     "    if is_causal:\n"
+     "        keep = torch.ones(n, k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - n)\n"
+     "        s = s.masked_fill(~keep, float(\"-inf\"))\n"
+     "    return o.reshape(q.shape), torch.logsumexp(s, -1)"),
+]
+MISTAKES["ex3_flash_backward"] += [
+    ("gradients allocated like the inputs (their strides)",
+     "dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)",
+     "dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)"),
+    ("D from a dense P * dP on the host",
+     "HEAD_DIM=d, BLOCK_M=64)\n",
+     "HEAD_DIM=d, BLOCK_M=64)\n"
+     "    s = (q3.float() @ k3.float().transpose(-2, -1)) * d ** -0.5\n"
+     "    if is_causal:\n"
+     "        s = s.masked_fill(~torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n), float(\"-inf\"))\n"
+     "    p = torch.exp(s - lse.reshape(bh, n, 1)).nan_to_num(0.0)\n"
+     "    delta = (p * (do3.float() @ v3.float().transpose(-2, -1))).sum(-1)\n"),
+]
+MISTAKES["ex4_flash_function"] += [
+    ("gradients shaped like q (N_k = N only)", "return dq, dk, dv, None", "return dq, dk.view_as(q), dv.view_as(q), None"),
+    ("is_causal kept on a class, not on ctx (the last forward's flag in every backward)",
+     "ctx.is_causal = is_causal", "type(ctx).is_causal = is_causal"),
+]
+MISTAKES["ex5_gqa_window"] += [
+    ("BLOCK_M hard-coded at 32", "BLOCK_M=block_m", "BLOCK_M=32"),
+    ("output allocated like q (its strides)", "o = torch.empty_like(q3)", "o = torch.empty_like(q)"),
 ]

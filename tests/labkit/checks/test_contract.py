@@ -163,3 +163,24 @@ def test_lengths_are_tried_as_strided_views_when_asked():
         contract.check_views(reads_storage, lens, name="ex", vectors=True)
     with pytest.raises(AssertionError, match="間隔取值"):
         contract.check_contract(reads_storage, lens, name="ex", vectors=True)
+
+
+def test_views_once_passes_a_contract_keeper_and_returns_its_answer_on_the_views(qkv):
+    want = attention(*qkv, causal=True)
+    got = contract.check_views_once(attention, *qkv, name="ex", want=want, causal=True)
+    assert torch.allclose(got, want)
+    contract.check_views_once(attention, *qkv, name="ex")                        # want computed when not given
+
+
+def test_views_once_names_a_contiguity_assumption_and_an_input_changed_in_place(qkv):
+    with pytest.raises(AssertionError, match=r"輸入可以是 view.*第 1 個參數、第 2 個參數、第 3 個參數 換成同值的 view"):
+        contract.check_views_once(assumes_contiguous, *qkv, name="ex")
+    with pytest.raises(AssertionError, match=r"不修改輸入.*第 2 個參數 有 120 個元素被改了"):
+        contract.check_views_once(scales_in_place, *qkv, name="ex", want=attention(*qkv))
+
+
+def test_views_once_names_an_input_changed_in_place_only_when_contiguous(qkv):
+    def scales_contiguous_q(q, k, v):          # .contiguous() is q itself when q is contiguous: the caller's q doubles
+        return attention(q.contiguous().mul_(2.0), k, v)
+    with pytest.raises(AssertionError, match=r"不修改輸入.*第 1 個參數 有 120 個元素被改了"):
+        contract.check_views_once(scales_contiguous_q, *qkv, name="ex")
