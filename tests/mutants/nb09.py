@@ -220,10 +220,9 @@ MISTAKES = {
          "        offs_n = start_n + tl.arange(0, BLOCK_N)\n"
          "        inside = offs_n < N_K\n",
          "    for j in range(0, N_KV_BLOCKS):                            # every slot, the unlisted ones masked off\n"
-         "        listed = j < tl.load(kv_num_ptr + qb)\n"
-         "        start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j, mask=listed, other=0) * BLOCK_N\n"
+         "        start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n"
          "        offs_n = start_n + tl.arange(0, BLOCK_N)\n"
-         "        inside = (offs_n < N_K) & listed\n"),
+         "        inside = (offs_n < N_K) & (j + 0 * offs_n < tl.load(kv_num_ptr + qb))\n"),
         ("block fixed at the notebook's P.block (the block argument ignored)", "    B, H, Nq, d = q.shape\n",
          "    B, H, Nq, d = q.shape\n    block = P.block                                  # the notebook's block size\n"),
         ("window 0 read as no window (`window or N_k`)", "H, int(window), kv_idx.shape[-1]", "H, int(window or Nk), kv_idx.shape[-1]"),
@@ -391,10 +390,9 @@ MISTAKES = {
          "            offs_n = start_n + tl.arange(0, BLOCK_N // SPLIT)\n"
          "            inside = offs_n < N_K\n",
          "        for t in range(0, N_KV_BLOCKS * SPLIT):\n"
-         "            listed = t // SPLIT < count\n"
-         "            start_n = tl.load(idx_ptr + t // SPLIT, mask=listed, other=0) * BLOCK_N + (t % SPLIT) * (BLOCK_N // SPLIT)\n"
+         "            start_n = tl.load(idx_ptr + t // SPLIT) * BLOCK_N + (t % SPLIT) * (BLOCK_N // SPLIT)\n"
          "            offs_n = start_n + tl.arange(0, BLOCK_N // SPLIT)\n"
-         "            inside = (offs_n < N_K) & listed\n"),
+         "            inside = (offs_n < N_K) & (t // SPLIT + 0 * offs_n < count)\n"),
         ("lse scaled in place (`lse.float().mul_()`: the caller's fp32 lse)", PREPROCESS_LAUNCH,
          torch_d_and_lse2("(do.float() * o.float()).sum(dim=-1)", "lse.float().mul_(LOG2E)")),
     ],
