@@ -32,15 +32,16 @@ def forward_matches(sparse_attention, what: str, mask_mod, Nq: int, Nk: int, hin
                     lists=None, allowed=None, dtype=torch.float32, B: int = 1, d: int = 16, block: int = 16, **kw):
     """``sparse_attention`` on seeded q [B, 2, Nq, d], k, v [B, 2, Nk, d] (``block``, ``lists`` or create_block_mask's
     for ``mask_mod``; ``kw``: window, document_id, sink) touches only its tensors and matches the float64 reference
-    masked by ``allowed`` (default: ``mask_mod``'s table): o and lse within 1e-5. Outputs a kernel never writes
-    read NaN. Returns (o, lse)."""
+    masked by ``allowed`` (default: ``mask_mod``'s table): o and lse within 1e-5; q, k, v, the lists and the sink
+    left unchanged. Outputs a kernel never writes read NaN. Returns (o, lse)."""
     dev = tritonmode.device()
     torch.manual_seed(5)
     q, k, v = torch.randn(B, 2, Nq, d), torch.randn(B, 2, Nk, d), torch.randn(B, 2, Nk, d)
     grading.fill_freed_memory(q.to(dev, dtype), torch.empty(B, 2, Nq, device=dev))   # rows never written read NaN
     lists = lists or flexlib.torch_lists(mask_mod, Nq, Nk, block)
     with tritonbounds.outside_accesses() as outside:   # counts (and skips) reads and writes past the tensors
-        o, lse = sparse_attention(*(t.to(dev, dtype) for t in (q, k, v)), lists, block, mask=mask, **kw)
+        o, lse = contract.check_inputs_unchanged(sparse_attention, *(t.to(dev, dtype) for t in (q, k, v)), lists, block,
+                                                 mask=mask, name=f"練習 5（{what}）", **kw)
     tritonbounds.check_inside(outside, name=f"練習 5：只讀寫傳入的張量，{what}",
                               hint="尾端區塊（N 不是區塊的倍數）的載入與儲存都要 mask：K、V 與鍵的文件編號用 offs_n < N_K，"
                                    "q、o、lse 與查詢的文件編號用 offs_m < N_Q。")
@@ -118,7 +119,7 @@ def forward_masks(sparse_attention, causal, sliding_window, packed_causal) -> No
                     hint="HEAD_DIM = d 與 scale = 1/√d 從輸入的形狀來（q.shape[-1]），不要寫死 16 或 1/4。")
     forward_matches(sparse_attention, "因果 N_q = 40、N_k = 72", causal, 40, 72,
                     "N_q ≠ N_k：q 的偏移用 N_Q、k/v 的偏移用 N_K；清單每列的長度是 N_KV_BLOCKS（鍵區塊數）。")
-    forward_matches(sparse_attention, "因果 N = 72、區塊 32（引數 block，不是 P.block）", causal, 72, 72, block=32,
+    forward_matches(sparse_attention, "因果 N = 40、區塊 32（引數 block，不是 P.block）", causal, 40, 40, block=32,
                     hint="網格、BLOCK_M 與 BLOCK_N 都用引數 block（清單是以它切的），不要用 notebook 的 P.block 或寫死 16。")
 
 
@@ -156,12 +157,11 @@ def forward_reads_listed_blocks(sparse_attention, sliding_window) -> None:
 
 def forward_contract(sparse_attention, causal) -> None:
     """Exercise 5's contract (:mod:`labkit.checks.contract`) on fp32 causal inputs [1, 2, 16, 16] (one block) with a
-    sink: q, k, v, the lists and the sink left unchanged; q, k, v as views."""
+    sink: q, k, v as views (:func:`forward_matches` checks every run leaves its inputs unchanged)."""
     dev = tritonmode.device()
     torch.manual_seed(16)
     q, k, v = (torch.randn(1, 2, 16, 16, device=dev) for _ in range(3))
     lists, sink = flexlib.torch_lists(causal, 16, 16, 16), torch.tensor([1.5, -0.5], device=dev)
-    contract.check_inputs_unchanged(sparse_attention, q, k, v, lists, 16, sink=sink, name="練習 5")
     contract.check_views(sparse_attention, q, k, v, lists, 16, sink=sink, name="練習 5")
 
 

@@ -93,15 +93,15 @@ CHECKS = {
         lambda g: nb09_forward.forward_reads_listed_blocks(g["sparse_attention"], g["sliding_window"]), "ex5_sparse_kernel",
         "every slot of the partial list computed, unlisted ones masked off (reads only listed blocks)", "只算清單上的區塊"),
     "backward_matches (rows that see no key)": (
-        lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "empty", g["sliding_window"](4), 48, 24, "",
+        lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "empty", g["sliding_window"](4), 32, 16, "",
                                                  mask="window", window=4), "ex7_sparse_backward",
         "masked scores set to -inf before exp2 (dK/dV: -inf - lse2 = NaN where lse = -inf)", "，empty"),
     "backward_matches (block 32)": (
         lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "b32", g["causal"], 40, 40, "", block=32),
         "ex7_sparse_backward", "block fixed at the notebook's P.block (backward)", "，b32"),
-    "backward_contract": (lambda g: nb09_backward.backward_contract(g["sparse_attention_backward"], g["causal"]),
-                          "ex7_sparse_backward", "lse scaled in place (`lse.float().mul_()`: the caller's fp32 lse)",
-                          "練習 7：不修改輸入"),
+    "backward_matches (inputs unchanged)": (
+        lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "lse", g["causal"], 16, 16, ""),
+        "ex7_sparse_backward", "lse scaled in place (`lse.float().mul_()`: the caller's fp32 lse)", "練習 7（lse）：不修改輸入"),
 }
 
 
@@ -131,21 +131,28 @@ def test_table_and_attention64_follow_the_conventions():
     assert torch.allclose(o_s[:, :, 2:], o[:, :, 2:] * torch.sigmoid(lse[:, :, 2:] - sink.double().view(1, 2, 1)).unsqueeze(-1))
 
 
-def test_forward_contract_passes_the_solution_and_catches_a_changed_sink_and_a_wrapper_blind_to_strides(ns):
-    sparse, causal = ns["sparse_attention"], ns["causal"]
+def _as_stored(t: torch.Tensor) -> torch.Tensor:
+    """t's storage read as if t were contiguous: what a wrapper blind to strides hands its kernel."""
+    return torch.as_strided(t, t.shape, torch.empty(t.shape).stride(), t.storage_offset())
+
+
+def test_the_contract_checks_pass_the_solution_and_catch_a_changed_sink_and_wrappers_blind_to_strides(ns):
+    sparse, backward, causal = ns["sparse_attention"], ns["sparse_attention_backward"], ns["causal"]
     nb09_forward.forward_contract(sparse, causal)
+    nb09_backward.backward_contract(backward, causal)
 
     def scales_the_sink(q, k, v, lists, block, sink=None, **kw):
         return sparse(q, k, v, lists, block, sink=sink.mul_(1.0 + 1e-3), **kw)
 
-    def reads_storage_as_contiguous(q, k, v, lists, block, **kw):
-        as_stored = torch.as_strided(q, q.shape, torch.empty(q.shape).stride(), q.storage_offset())
-        return sparse(as_stored, k, v, lists, block, **kw)
-
-    for wrong, words in ((scales_the_sink, "練習 5：不修改輸入"), (reads_storage_as_contiguous, "練習 5：輸入可以是 view")):
+    with pytest.raises(AssertionError) as failed:
+        nb09_forward.forward_matches(scales_the_sink, "sink", causal, 16, 16, "", sink=torch.tensor([1.5, -0.5]))
+    assert "練習 5（sink）：不修改輸入" in str(failed.value), str(failed.value)
+    for check, wrong in ((nb09_forward.forward_contract, lambda q, *a, **kw: sparse(_as_stored(q), *a, **kw)),
+                         (nb09_backward.backward_contract, lambda q, k, v, o, lse, do, *a, **kw:
+                          backward(q, k, v, o, lse, _as_stored(do), *a, **kw))):
         with pytest.raises(AssertionError) as failed:
-            nb09_forward.forward_contract(wrong, causal)
-        assert words in str(failed.value), str(failed.value)
+            check(wrong, causal)
+        assert "輸入可以是 view" in str(failed.value), str(failed.value)
 
 
 def test_check_blocks_computed_allows_twice_the_listed_blocks():
