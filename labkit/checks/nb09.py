@@ -14,6 +14,7 @@ import math
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.flex import lib as flexlib
 
@@ -53,13 +54,15 @@ def _inputs(seed: int, *shape_n: int, dtype=torch.float64, d: int = 8, B: int = 
 
 def dense_matches_flex(dense_attention, causal, relative_bias) -> None:
     """Exercise 1 against flex_attention (float64, q [2, 3, 20, 8], k, v [2, 3, 28, 8]): no mods, a score_mod on
-    the scaled scores (``relative_bias``), the scale argument, ``causal``, rules that read b and h, the mask after a
+    the scaled scores (``relative_bias``), the scale argument (0.3 and 0: uniform weights), ``causal``, rules that read b and h, the mask after a
     soft-capping score_mod, rows 1000 apart whose hidden keys score highest (each row's own max)."""
     q, k, v = _inputs(2, 20, 28, 28)
     cases = [("no mods (Nq = 20, Nk = 28)", {}, "o = softmax(scale · q kᵀ) v；scale = 1/√d。"),
              ("score_mod on the scaled scores", dict(score_mod=relative_bias),
               "score_mod 收到的是已經乘過 scale 的分數：先乘 scale，再呼叫 score_mod（不是之後再乘）。"),
              ("scale = 0.3", dict(scale=0.3), "scale 引數不是 None 時就用它，不用 1/√d。"),
+             ("scale = 0（每個鍵權重相同）", dict(scale=0.0),
+              "scale = 0.0 也是給定的值：用 `scale is None` 判斷，不要用 `scale or 1/√d`（0.0 為假，會被換成 1/√d）。"),
              ("causal mask_mod", dict(mask_mod=causal), "mask_mod 回傳 False 的位置設成 -inf，索引順序是 (b, h, q_idx, kv_idx)。"),
              ("rules that read b and h", dict(score_mod=lambda s, b, h, q_idx, kv_idx: s + 0.3 * h - 0.2 * b,
                                               mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 2 * h + b),
@@ -88,20 +91,35 @@ def dense_matches_flex(dense_attention, causal, relative_bias) -> None:
 
 
 def dense_empty_rows(dense_attention) -> None:
-    """Exercise 1: the first 5 of 20 queries see no key (q [2, 3, 20, 8], float64): o = 0, lse = -inf, no NaN."""
+    """Exercise 1: the first 5 of 20 queries see no key (q [2, 3, 20, 8], float64), hidden by a mask_mod, then by a
+    score_mod that returns -inf for their whole rows: o = 0, lse = -inf, no NaN."""
     q, k, v = _inputs(2, 20, 28, 28)
 
     def late_start(b, h, q_idx, kv_idx):   # the first 5 queries see no key at all
         return (q_idx >= 5) & (q_idx >= kv_idx)
 
-    o, lse, o_ref, lse_ref = _with_flex(dense_attention, q, k, v, mask_mod=late_start)
-    grading.check_true(bool(torch.isfinite(o).all()), name="練習 1：看不見任何鍵的列沒有 NaN",
-                       detail=f"前 5 列一個鍵都看不見，o 卻有 {int((~torch.isfinite(o)).sum())} 個 NaN／Inf。",
-                       hint="那一列的最大值是 -inf，s - m = -inf - (-inf) = NaN：最大值是 -inf 時改減 0；再把 l = 0 的列除以 1（得到 0）。")
-    grading.check_tensor(o, o_ref, name="練習 1：看不見任何鍵的列輸出 0", atol=1e-10,
-                         hint="一個鍵都看不見的列：o = 0、lse = -inf（FlexAttention 的約定）。")
-    grading.check_tensor(lse, lse_ref, name="練習 1：看不見任何鍵的列 lse = -inf", atol=1e-10,
-                         hint="lse = m + log(l)：l = 0 時 log(0) = -inf，m 那時要是 0（不是 -inf）。")
+    def late_scores(score, b, h, q_idx, kv_idx):   # the same rows, hidden by the score_mod (no mask_mod)
+        return torch.where(q_idx >= 5, score, float("-inf"))
+
+    for how, mods in (("mask_mod", dict(mask_mod=late_start)), ("score_mod 回傳 -inf", dict(score_mod=late_scores))):
+        o, lse, o_ref, lse_ref = _with_flex(dense_attention, q, k, v, **mods)
+        grading.check_true(bool(torch.isfinite(o).all()), name=f"練習 1：看不見任何鍵的列沒有 NaN（{how}）",
+                           detail=f"前 5 列一個鍵都看不見，o 卻有 {int((~torch.isfinite(o)).sum())} 個 NaN／Inf。",
+                           hint="那一列的最大值是 -inf，s - m = -inf - (-inf) = NaN：最大值是 -inf 時改減 0；再把 l = 0 的列除以 1（得到 0）。"
+                                "score_mod 也能讓整列變成 -inf：不論有沒有 mask_mod 都要這樣處理。")
+        grading.check_tensor(o, o_ref, name=f"練習 1：看不見任何鍵的列輸出 0（{how}）", atol=1e-10,
+                             hint="一個鍵都看不見的列：o = 0、lse = -inf（FlexAttention 的約定）。")
+        grading.check_tensor(lse, lse_ref, name=f"練習 1：看不見任何鍵的列 lse = -inf（{how}）", atol=1e-10,
+                             hint="lse = m + log(l)：l = 0 時 log(0) = -inf，m 那時要是 0（不是 -inf）。")
+
+
+def dense_contract(dense_attention, causal) -> None:
+    """Exercise 1's contract (:mod:`labkit.checks.contract`) on q [1, 2, 6, 4], k, v [1, 2, 9, 4] with ``causal``:
+    fp32 and float64 inputs left unchanged (``.to(fp32)`` of an fp32 tensor is that tensor), views."""
+    for dtype in (torch.float32, torch.float64):
+        q, k, v = _inputs(4, 6, 9, 9, dtype=dtype, d=4, B=1, H=2)
+        contract.check_inputs_unchanged(dense_attention, q, k, v, mask_mod=causal, name=f"練習 1（{str(dtype)[6:]}）")
+    contract.check_views(dense_attention, q, k, v, mask_mod=causal, name="練習 1")
 
 
 def dense_low_precision(dense_attention, causal, relative_bias) -> None:
@@ -264,7 +282,8 @@ def contamination(document_ids, seed: int = 0) -> float:
 
 def packing_follows_rules(pack) -> None:
     """Exercise 8: three documents of lengths 3, 1, 4 written out (tokens, cu_seqlens, document_ids, position_ids),
-    the dtypes (cu_seqlens int32, the rest int64); no cross-document contamination (lengths 5, 9, 4, 7)."""
+    the dtypes (cu_seqlens int32, the rest int64); the documents passed in left unchanged; no cross-document
+    contamination (lengths 5, 9, 4, 7)."""
     packed = pack([torch.tensor([5, 6, 7]), torch.tensor([9]), torch.tensor([1, 2, 3, 4])])
     want = {"tokens": [5, 6, 7, 9, 1, 2, 3, 4], "cu_seqlens": [0, 3, 4, 8], "document_ids": [0, 0, 0, 1, 2, 2, 2, 2],
             "position_ids": [0, 1, 2, 0, 0, 1, 2, 3]}   # document ids before positions: positions are read from them
@@ -278,6 +297,7 @@ def packing_follows_rules(pack) -> None:
                        name="練習 8：dtype（cu_seqlens int32，其他 int64）",
                        detail=f"得到 {({k: str(v.dtype) for k, v in packed.items()})}。",
                        hint="varlen 核心要 int32 的 cu_seqlens；位置與編號拿來索引，用 int64。")
+    contract.check_inputs_unchanged(pack, [torch.tensor([5, 6, 7]), torch.tensor([9])], name="練習 8")
     leak = contamination(pack([torch.randint(0, 100, (n,)) for n in (5, 9, 4, 7)])["document_ids"])
     grading.check_true(leak == 0.0, name="練習 8：沒有跨文件污染（最後一份文件的損失對前面文件的梯度 = 0）",
                        detail=f"最後一份文件的損失對前面文件輸入的梯度最大是 {leak:.3g}，應正好是 0：有詞元看見了別份文件。",

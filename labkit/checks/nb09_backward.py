@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.tritonlab import bounds as tritonbounds, compile as tritoncompile, mode as tritonmode
 from labkit.flex import lib as flexlib
 from labkit.checks.nb09 import attention64, table
-from labkit.checks.nb09_forward import DOCS, HEAD_ID_64, LOG2E, documents
+from labkit.checks.nb09_forward import DOCS, HEAD_ID_64, LOG2E, check_blocks_computed, documents
 
 KERNELS = ("_sparse_bwd_dkdv_kernel", "_sparse_bwd_dq_kernel", "_sparse_bwd_kernel")   # launched apart or in one
 PREC_HINT = "和練習 5 一樣：fp32 用 \"ieee\"，bf16／fp16 用 \"tf32\"。"
@@ -31,20 +32,21 @@ def grads64(q, k, v, do, allowed, sink=None):
 
 
 def backward_matches(sparse_attention_backward, what: str, mask_mod, Nq: int, Nk: int, hint: str, mask: str = "causal",
-                     sink=None, B: int = 1, d: int = 16, **kw) -> None:
-    """``sparse_attention_backward`` on seeded q, dO [B, 2, Nq, d], k, v [B, 2, Nk, d] with o and lse (fp32) from the
+                     sink=None, B: int = 1, d: int = 16, block: int = 16, **kw) -> None:
+    """``sparse_attention_backward`` (``block``) on seeded q, dO [B, 2, Nq, d], k, v [B, 2, Nk, d] with o and lse (fp32) from the
     float64 attention (``kw``: window, document_id) touches only its tensors; dV, dK, dQ within 2e-5 of float64
-    autograd. Outputs a kernel never writes read NaN."""
+    autograd; q, k, v, o, lse, dO and the lists left unchanged. Outputs a kernel never writes read NaN."""
     dev = tritonmode.device()
     torch.manual_seed(13)
     q, k, v = torch.randn(B, 2, Nq, d), torch.randn(B, 2, Nk, d), torch.randn(B, 2, Nk, d)
     do = torch.randn(B, 2, Nq, d)
     grading.fill_freed_memory(q.to(dev), k.to(dev))   # rows a kernel never writes read NaN
     o, lse, dq_ref, dk_ref, dv_ref = grads64(q, k, v, do, table(mask_mod, Nq, Nk), sink)
-    lists = flexlib.torch_lists(mask_mod, Nq, Nk, 16)
+    lists = flexlib.torch_lists(mask_mod, Nq, Nk, block)
     with tritonbounds.outside_accesses() as outside:   # counts (and skips) reads and writes past the tensors
-        dq, dk, dv = sparse_attention_backward(*(t.to(dev) for t in (q, k, v, o.float(), lse.float(), do)), lists, 16,
-                                               mask=mask, **kw)
+        dq, dk, dv = contract.check_inputs_unchanged(
+            sparse_attention_backward, *(t.to(dev) for t in (q, k, v, o.float(), lse.float(), do)), lists, block, mask=mask,
+            name=f"練習 7（{what}）", **kw)
     tritonbounds.check_inside(outside, name=f"練習 7：只讀寫傳入的張量，{what}",
                               hint="尾端區塊的載入與儲存都要 mask：K、V、dK、dV 與鍵的文件編號用 offs_n < N_K，"
                                    "q、dO、lse、D、dQ 與查詢的文件編號用 offs_m < N_Q。")
@@ -53,9 +55,10 @@ def backward_matches(sparse_attention_backward, what: str, mask_mod, Nq: int, Nk
 
 
 def backward_masks(sparse_attention_backward, causal, sliding_window, packed_causal):
-    """:func:`backward_matches` on causal N = 64 (both kernels launched), a tail block (N = 72), window 20, documents
-    (N = 100), N_q = 40 != N_k = 72 causal and unmasked, B = 2 with head size 32, a sink. Returns the launch counts
-    of the first run (kernel name -> launches)."""
+    """:func:`backward_matches` on causal N = 64 (both kernels launched), a tail block (N = 72), window 20 and 0,
+    rows that see no key (lse = -inf: window 4, N_q = 32 > N_k = 16), documents (N = 100), N_q = 40 != N_k = 72
+    causal and unmasked, B = 2 with head size 32, a sink, block 32 (the argument, not P.block). Returns the launch
+    counts of the first run (kernel name -> launches)."""
     with tritonmode.launches() as launched:
         backward_matches(sparse_attention_backward, "因果 N = 64", causal, 64, 64,
                          "dK、dV 核心讀轉置清單（q_num_blocks、q_indices 與 full_q_*），dQ 核心讀 kv 清單；P = exp2(s·qk_scale − lse·log2 e)，"
@@ -66,6 +69,12 @@ def backward_masks(sparse_attention_backward, causal, sliding_window, packed_cau
     cases = [("因果 N = 72（尾端區塊）", causal, 72, 72, "部分區塊：載入時檢查 N_Q／N_K 的邊界，keep 也含邊界；看不見的 P 設成 0。", {}),
              ("視窗 w = 20、N = 80", sliding_window(20), 80, 80, "MASK == 2 的規則與前向相同：(q >= j) & (q − j <= WINDOW)。",
               dict(mask="window", window=20)),
+             ("視窗 w = 0（只看自己）、N = 32", sliding_window(0), 32, 32,
+              "w = 0 是合法的視窗（只看對角線）：不要用 `window or ...` 把 0 當成「沒有視窗」，也不要把 WINDOW 下限夾到別的值。",
+              dict(mask="window", window=0)),
+             ("看不見任何鍵的列（視窗 4、N_q = 32 > N_k = 16：第 20 列起，lse = -inf）", sliding_window(4), 32, 16,
+              "這些列的 lse = -inf：先把看不見的分數設成 -inf 再 exp2(s − lse) 會得到 -inf − (-inf) = NaN。"
+              "先算 P = exp2(s·qk_scale − lse2)，再用 tl.where(keep, P, 0.0) 把看不見的設成 0。", dict(mask="window", window=4)),
              ("文件遮罩 N = 100", packed_causal(documents(DOCS)), 100, 100, "MASK == 3：兩個核心都要讀查詢與鍵的文件編號。",
               dict(mask="document", document_id=documents(DOCS))),
              ("因果 N_q = 40、N_k = 72", causal, 40, 72,
@@ -77,7 +86,9 @@ def backward_masks(sparse_attention_backward, causal, sliding_window, packed_cau
              ("B = 2、d = 32（head 大小 ≠ 區塊 16）", causal, 40, 40,
               "HEAD_DIM = d 與 scale = 1/√d 從輸入的形狀來（q.shape[-1]），不要寫死 16 或 1/4。", dict(B=2, d=32)),
              ("匯點（因果 N = 64）", causal, 64, 64, "lse 含匯點：公式不變，P 直接用前向存下的 lse 重算。",
-              dict(sink=torch.tensor([1.0, -2.0])))]
+              dict(sink=torch.tensor([1.0, -2.0]))),
+             ("因果 N = 40、區塊 32（引數 block，不是 P.block）", causal, 40, 40,
+              "網格、BLOCK_M 與 BLOCK_N 都用引數 block（清單是以它切的），不要用 notebook 的 P.block 或寫死 16。", dict(block=32))]
     for what, mask_mod, Nq, Nk, hint, kw in cases:
         backward_matches(sparse_attention_backward, what, mask_mod, Nq, Nk, hint, **kw)
     return launched
@@ -110,7 +121,8 @@ def backward_head_offsets_64bit(dkdv_kernel, dq_kernel, preprocess_kernel, launc
 def backward_reads_listed_blocks(sparse_attention_backward, sliding_window) -> None:
     """Interpreter only: window 16, N = 128, inputs [1, 1, 128, 16]: both kernels together load between Q and dO
     (dK/dV kernel) plus K and V (dQ kernel) of each listed block once and that plus each program's own tiles, ids,
-    lse and D, and a preprocess kernel's one read of O, dO and lse."""
+    lse and D, and a preprocess kernel's one read of O, dO and lse; the tl.dot products at most twice the listed
+    blocks' (:func:`labkit.checks.nb09_forward.check_blocks_computed`: seven dots a block, four for dK/dV, three for dQ)."""
     if tritonmode.current() != "interpreter":
         return
     qw, kw_, vw, ow, dow = (torch.randn(1, 1, 128, 16) for _ in range(5))
@@ -124,6 +136,21 @@ def backward_reads_listed_blocks(sparse_attention_backward, sliding_window) -> N
     grading.check_true(floor <= count["elements"] <= ceiling, name="練習 7：只讀清單上的區塊（視窗 16、N = 128）",
                        detail=f"兩個核心共讀了 {count['elements']:,} 個元素；清單上的區塊讀一次應在 {floor:,} 到 {ceiling:,} 之間。",
                        hint="每個核心都只跑 range(0, 個數)，讀編號列出的區塊；dK/dV 核心用轉置清單。")
+    check_blocks_computed(count, listed, 7, name="練習 7：只算清單上的區塊（視窗 16、N = 128：tl.dot 的乘加數）",
+                          hint="兩個核心都只跑 range(0, 個數)：掃過清單的每個欄位再把沒列出的遮掉，讀的元素雖少，"
+                               "每個欄位的 tl.dot 照樣要算。")
+
+
+def backward_contract(sparse_attention_backward, causal) -> None:
+    """Exercise 7's contract (:mod:`labkit.checks.contract`) on fp32 causal inputs [1, 2, 16, 16] (one block), o and
+    lse from the float64 attention: each of q, k, v, o, lse, dO as a view (:func:`backward_matches` checks every run
+    leaves its inputs unchanged)."""
+    dev = tritonmode.device()
+    torch.manual_seed(17)
+    q, k, v, do = (torch.randn(1, 2, 16, 16) for _ in range(4))
+    o, lse = (t.float().to(dev) for t in attention64(q, k, v, table(causal, 16, 16)))
+    args = (*(t.to(dev) for t in (q, k, v)), o, lse, do.to(dev), flexlib.torch_lists(causal, 16, 16, 16), 16)
+    contract.check_views(sparse_attention_backward, *args, name="練習 7")
 
 
 def _launched_args(sparse_attention_backward, q, k, v, o, do, causal, N: int):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.tritonlab import bounds as tritonbounds, compile as tritoncompile, mode as tritonmode
 from labkit.flex import lib as flexlib
@@ -28,18 +29,19 @@ def documents(lengths) -> torch.Tensor:
 
 
 def forward_matches(sparse_attention, what: str, mask_mod, Nq: int, Nk: int, hint: str, mask: str = "causal",
-                    lists=None, allowed=None, dtype=torch.float32, B: int = 1, d: int = 16, **kw):
-    """``sparse_attention`` on seeded q [B, 2, Nq, d], k, v [B, 2, Nk, d] (block 16, ``lists`` or create_block_mask's
+                    lists=None, allowed=None, dtype=torch.float32, B: int = 1, d: int = 16, block: int = 16, **kw):
+    """``sparse_attention`` on seeded q [B, 2, Nq, d], k, v [B, 2, Nk, d] (``block``, ``lists`` or create_block_mask's
     for ``mask_mod``; ``kw``: window, document_id, sink) touches only its tensors and matches the float64 reference
-    masked by ``allowed`` (default: ``mask_mod``'s table): o and lse within 1e-5. Outputs a kernel never writes
-    read NaN. Returns (o, lse)."""
+    masked by ``allowed`` (default: ``mask_mod``'s table): o and lse within 1e-5; q, k, v, the lists and the sink
+    left unchanged. Outputs a kernel never writes read NaN. Returns (o, lse)."""
     dev = tritonmode.device()
     torch.manual_seed(5)
     q, k, v = torch.randn(B, 2, Nq, d), torch.randn(B, 2, Nk, d), torch.randn(B, 2, Nk, d)
     grading.fill_freed_memory(q.to(dev, dtype), torch.empty(B, 2, Nq, device=dev))   # rows never written read NaN
-    lists = lists or flexlib.torch_lists(mask_mod, Nq, Nk, 16)
+    lists = lists or flexlib.torch_lists(mask_mod, Nq, Nk, block)
     with tritonbounds.outside_accesses() as outside:   # counts (and skips) reads and writes past the tensors
-        o, lse = sparse_attention(*(t.to(dev, dtype) for t in (q, k, v)), lists, 16, mask=mask, **kw)
+        o, lse = contract.check_inputs_unchanged(sparse_attention, *(t.to(dev, dtype) for t in (q, k, v)), lists, block,
+                                                 mask=mask, name=f"練習 5（{what}）", **kw)
     tritonbounds.check_inside(outside, name=f"練習 5：只讀寫傳入的張量，{what}",
                               hint="尾端區塊（N 不是區塊的倍數）的載入與儲存都要 mask：K、V 與鍵的文件編號用 offs_n < N_K，"
                                    "q、o、lse 與查詢的文件編號用 offs_m < N_Q。")
@@ -81,7 +83,8 @@ def forward_launch_and_precision(sparse_attention, causal) -> None:
 def forward_masks(sparse_attention, causal, sliding_window, packed_causal) -> None:
     """:func:`forward_matches` on: a tail block (N = 72); every score near -144 (fp32, causal N = 32: the running max
     starts at -inf); lists forged with every block full (the mask skipped) and every block partial (the mask
-    applied); window 20 (N = 80); documents (N = 100); head size 32; N_q = 40 != N_k = 72."""
+    applied); window 20 (N = 80) and 0 (N = 32: the diagonal only); documents (N = 100); head size 32;
+    N_q = 40 != N_k = 72; block 32 (the argument, not the notebook's P.block: 16 on a CPU)."""
     forward_matches(sparse_attention, "因果 N = 72（尾端區塊）", causal, 72, 72,
                     "部分區塊載入 K/V 時要 mask=offs_n < N_K（other=0），keep 也要含邊界；o、lse 存回時要 mask=offs_m < N_Q。")
     # Every score near -144 (q near +6, k near -6, d = 16; fp32): the running max starts at -inf, not 0, or every
@@ -107,6 +110,8 @@ def forward_masks(sparse_attention, causal, sliding_window, packed_causal) -> No
                     lists=forged_partial, hint="部分區塊一定要求 MASK 的規則；把部分區塊當全滿算，看不見的鍵就漏進來了。")
     forward_matches(sparse_attention, "視窗 w = 20，N = 80", sliding_window(20), 80, 80, mask="window", window=20,
                     hint="MASK == 2：keep = 邊界 & (q >= j) & (q - j <= WINDOW)。")
+    forward_matches(sparse_attention, "視窗 w = 0（只看自己），N = 32", sliding_window(0), 32, 32, mask="window", window=0,
+                    hint="w = 0 是合法的視窗（只看對角線）：不要用 `window or ...` 把 0 當成「沒有視窗」，也不要把 WINDOW 下限夾到別的值。")
     doc = documents(DOCS)
     forward_matches(sparse_attention, "文件遮罩 N = 100", packed_causal(doc), 100, 100, mask="document", document_id=doc,
                     hint="MASK == 3：查詢區塊的文件編號在迴圈外讀一次（other=-1），鍵的編號每個區塊隨 K/V 讀（other=-2），keep 要求相等而且因果。")
@@ -114,11 +119,23 @@ def forward_masks(sparse_attention, causal, sliding_window, packed_causal) -> No
                     hint="HEAD_DIM = d 與 scale = 1/√d 從輸入的形狀來（q.shape[-1]），不要寫死 16 或 1/4。")
     forward_matches(sparse_attention, "因果 N_q = 40、N_k = 72", causal, 40, 72,
                     "N_q ≠ N_k：q 的偏移用 N_Q、k/v 的偏移用 N_K；清單每列的長度是 N_KV_BLOCKS（鍵區塊數）。")
+    forward_matches(sparse_attention, "因果 N = 40、區塊 32（引數 block，不是 P.block）", causal, 40, 40, block=32,
+                    hint="網格、BLOCK_M 與 BLOCK_N 都用引數 block（清單是以它切的），不要用 notebook 的 P.block 或寫死 16。")
+
+
+def check_blocks_computed(count, listed: int, dots: int, name: str, hint: str) -> None:
+    """The ``tl.dot`` products ``count["products"]`` (:func:`labkit.tritonlab.mode.loaded_elements`) at most twice what
+    ``listed`` blocks of 16 x 16 (d = 16) need with ``dots`` products of a block each: unlisted blocks not computed."""
+    need = listed * dots * 16 * 16 * 16
+    grading.check_true(count["products"] <= 2 * need, name=name, hint=hint,
+                       detail=f"tl.dot 共做了 {count['products']:,} 次乘加；清單上 {listed} 個區塊各 {dots} 個 16×16×16 的 tl.dot "
+                              f"共 {need:,} 次，最多容許兩倍：算了清單以外的區塊（載入被遮住，計算照做）。")
 
 
 def forward_reads_listed_blocks(sparse_attention, sliding_window) -> None:
     """Interpreter only: window 16, N = 128, inputs [1, 1, 128, 16]: the elements loaded lie between the K and V of
-    the listed blocks and that plus q, ids and the list entries."""
+    the listed blocks and that plus q, ids and the list entries; the tl.dot products at most twice the listed
+    blocks' (:func:`check_blocks_computed`: two dots a block)."""
     if tritonmode.current() != "interpreter":
         return
     dev = tritonmode.device()
@@ -133,6 +150,19 @@ def forward_reads_listed_blocks(sparse_attention, sliding_window) -> None:
                        detail=f"讀了 {count['elements']:,} 個元素；清單上 {listed} 個區塊的 K、V 共 {kv_listed:,} 個，"
                               f"加上 q 與清單本身最多 {ceiling:,} 個。",
                        hint="迴圈跑 range(0, num)，每次讀 indices[i, j] 那一個區塊；不要掃過所有鍵區塊再用遮罩濾掉（那樣照樣讀了）。")
+    check_blocks_computed(count, listed, 2, name="練習 5：只算清單上的區塊（視窗 16、N = 128：tl.dot 的乘加數）",
+                          hint="迴圈跑 range(0, num)：掃過清單的每個欄位（range(0, N_KV_BLOCKS)）再把沒列出的遮掉，"
+                               "讀的元素雖少，每個欄位的 tl.dot 照樣要算；稀疏的好處正是不算那些區塊。")
+
+
+def forward_contract(sparse_attention, causal) -> None:
+    """Exercise 5's contract (:mod:`labkit.checks.contract`) on fp32 causal inputs [1, 2, 16, 16] (one block) with a
+    sink: q, k, v as views (:func:`forward_matches` checks every run leaves its inputs unchanged)."""
+    dev = tritonmode.device()
+    torch.manual_seed(16)
+    q, k, v = (torch.randn(1, 2, 16, 16, device=dev) for _ in range(3))
+    lists, sink = flexlib.torch_lists(causal, 16, 16, 16), torch.tensor([1.5, -0.5], device=dev)
+    contract.check_views(sparse_attention, q, k, v, lists, 16, sink=sink, name="練習 5")
 
 
 def forward_head_offsets_64bit(fwd_kernel, causal) -> None:
@@ -217,7 +247,8 @@ def forward_low_precision(sparse_attention, causal, sliding_window, packed_causa
 def sink_grad_matches(sink_grad, B: int, H: int, N: int, seed: int, what: str, dtype=None, d: int = 8) -> None:
     """Exercise 6: ``sink_grad(o, do, lse, sink)`` -> [H] fp32 vs float64 autograd through causal attention with the
     sink as one more score column (q, k, v [B, H, N, d], dO random); with ``dtype`` (bf16, fp16), o and dO rounded to
-    it vs the formula in float64 on the same rounded values (D in fp32: within 1e-4)."""
+    it vs the formula in float64 on the same rounded values (D in fp32: within 1e-4). In fp32 (no ``dtype``): o, dO,
+    lse and the sink in fp32 left unchanged (``.float()`` of an fp32 tensor is that tensor), and as views."""
     torch.manual_seed(seed)
     q, k, v = (torch.randn(B, H, N, d, dtype=torch.float64) for _ in range(3))
     sink = torch.randn(H, dtype=torch.float64).mul(2.0).requires_grad_()
@@ -229,6 +260,9 @@ def sink_grad_matches(sink_grad, B: int, H: int, N: int, seed: int, what: str, d
         grading.check_tensor(got, sink.grad, name=f"練習 6：{what}", atol=1e-4, rtol=1e-4,
                              hint="dsink_h = −Σ_b Σ_i exp(s_h − lse_i) · D_i，D = rowsum(dO ∘ O)：負號、exp(s − lse)（不是 lse − s），"
                                   "對 batch 與列加總、每個 head 各一個值。")
+        fp32 = [t.float() for t in (o.detach(), grad_o, lse.detach(), sink.detach())]
+        contract.check_inputs_unchanged(sink_grad, *fp32, name="練習 6（fp32 輸入）")
+        contract.check_views(sink_grad, *fp32, name="練習 6", atol=1e-4)
         grading.check_true(isinstance(got, torch.Tensor) and got.dtype == torch.float32 and tuple(got.shape) == (H,),
                            name=f"練習 6：{what} 的形狀與 dtype", detail=f"應為 [{H}] fp32，得到 {getattr(got, 'dtype', type(got))} "
                                                                       f"{tuple(getattr(got, 'shape', ()))}。",

@@ -94,16 +94,25 @@ def _frames(loc: str, defs: dict, depth: int = 0) -> list:
 
 
 def _ops(ttir: str) -> list:
-    """(result, op, operands, result element type, location) per operation of a Triton IR module's text."""
-    ops = []
+    """(result, op, operands, result element type, location, scope) per operation of a Triton IR module's text.
+
+    ``scope``: the regions (loop bodies, branches, reductions) the operation sits in, outermost first, one number
+    each: MLIR reuses value names in sibling regions, so a name means a value only within its scope.
+    """
+    ops, scope, regions = [], (), 0
     for line in ttir.splitlines():
+        text = line.strip()
+        if text.startswith("}"):        # "}", "} else {", "}) : ...": a region ends
+            scope = scope[:-1]
         m = re.match(r'^\s*(?:(%[\w.]+)(?::\d+)?\s*=\s*)?"?([a-z_]+\.[\w.]+)"?(.*?)(?:\s+loc\((.*)\))?\s*$', line)
-        if not m or line.lstrip().startswith(("#loc", "module", "tt.func")):
-            continue
-        result, op, rest, loc = m.groups()
-        types = re.findall(r"(?:x|\b)(bf16|f16|f32|f64|i\d+)\b", rest.rsplit(" : ", 1)[-1] if " : " in rest else "")
-        args = {a.split("#")[0] for a in re.findall(r"%[\w.#]+", rest)}
-        ops.append((result, op, args, types[-1] if types else "", loc or ""))
+        if m and not text.startswith(("#loc", "module", "tt.func")):
+            result, op, rest, loc = m.groups()
+            types = re.findall(r"(?:x|\b)(bf16|f16|f32|f64|i\d+)\b", rest.rsplit(" : ", 1)[-1] if " : " in rest else "")
+            args = {a.split("#")[0] for a in re.findall(r"%[\w.#]+", rest)}
+            ops.append((result, op, args, types[-1] if types else "", loc or "", scope))
+        if text.endswith("{"):          # a region begins (the operation's own result belongs outside it)
+            regions += 1
+            scope += (regions,)
     return ops
 
 
@@ -117,10 +126,25 @@ def low_precision(ttir: str, path: str, source: str) -> list:
     """
     defs = dict(re.findall(r"^(#loc\d+) = loc\((.*)\)\s*$", ttir, re.M))
     ops = _ops(ttir)
-    origin = {r: (loc, ty) for r, op, _, ty, loc in ops if op == "arith.truncf" and ty in LOW}
+    defined = {(scope, r) for r, _, _, _, _, scope in ops if r}
+
+    def seen(args: set, scope: tuple) -> set:
+        """The (scope, name) definitions that ``args``, used inside ``scope``, refer to: each name's innermost one."""
+        keys = set()
+        for name in args:
+            where = scope
+            while where and (where, name) not in defined:
+                where = where[:-1]
+            keys.add((where, name))
+        return keys
+
+    origin = {(scope, r): (loc, ty) for r, op, _, ty, loc, scope in ops if op == "arith.truncf" and ty in LOW}
     for _ in range(len(ops)):  # through views (expand_dims, broadcast, trans, ...) to the real use
-        grown = {r: origin[next(iter(args & origin.keys()))] for r, op, args, _, _ in ops
-                 if op in MOVES and r and r not in origin and args & origin.keys()}
+        grown = {}
+        for r, op, args, _, _, scope in ops:
+            rounded = seen(args, scope) & origin.keys() if op in MOVES and r and (scope, r) not in origin else set()
+            if rounded:
+                grown[(scope, r)] = origin[next(iter(rounded))]
         if not grown:
             break
         origin.update(grown)
@@ -134,10 +158,10 @@ def low_precision(ttir: str, path: str, source: str) -> list:
         return next((f for a, b, f in funcs if a <= here[0] <= b), "?"), lines[here[0] - 1].strip()
 
     found: dict = {}
-    for r, op, args, ty, loc in ops:
+    for r, op, args, ty, loc, scope in ops:
         if ARITH.match(op) and ty in LOW:
             found.setdefault(place(loc), ["computed", op, ty])
-        for arg in args & origin.keys():
+        for arg in seen(args, scope) & origin.keys():
             if op not in MOVES | ENDS:
                 found.setdefault(place(origin[arg][0]), ["rounded", op, origin[arg][1]])
     return [[fn, stmt, *what] for (fn, stmt), what in found.items()]

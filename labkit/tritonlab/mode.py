@@ -253,6 +253,8 @@ def loaded_elements() -> Iterator[collections.Counter]:
     """Count what the interpreter loads: ``counts["elements"]``, the elements read (masked-off lanes
     excluded), and ``counts["lanes"]``, the lanes of every load issued, masked off or not: a loop over a
     whole cache whose loads are masked down to one split reads few elements but issues many lanes.
+    And the work: ``counts["products"]``, the multiply-adds of every ``tl.dot`` (M x K by K x N: M·K·N), masked
+    lanes or not: a loop over every block whose loads are masked down to the listed ones still computes them all.
 
     Only the interpreter can count (compiled kernels run on the GPU); raises in the compiled mode.
     """
@@ -268,8 +270,13 @@ def loaded_elements() -> Iterator[collections.Counter]:
         counts["lanes"] += int(mask.data.size)
         return original(ptrs, mask, *args, **kwargs)
 
-    interpreter_builder.create_masked_load = masked_load
+    def dot(a, b, *args, **kwargs):
+        counts["products"] += int(a.data.size) * int(b.data.shape[-1])
+        return original_dot(a, b, *args, **kwargs)
+
+    original_dot = interpreter_builder.create_dot
+    interpreter_builder.create_masked_load, interpreter_builder.create_dot = masked_load, dot
     try:
         yield counts
     finally:
-        del interpreter_builder.create_masked_load  # the class's method again
+        del interpreter_builder.create_masked_load, interpreter_builder.create_dot  # the class's methods again

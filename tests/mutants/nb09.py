@@ -8,11 +8,12 @@ RULES = {
     "ex1_dense_reference": [
         "own code: no flex_attention / SDPA / labkit",
         "o and lse vs flex_attention (eager, float64): no mods with N_q != N_k, a score_mod on the scaled scores, "
-        "the scale argument, causal, a score_mod and a mask_mod that read b and h",
+        "the scale argument (0.3, and 0: not `scale or 1/sqrt(d)`), causal, a score_mod and a mask_mod that read b and h",
         "the mask applied after score_mod (soft-capping + causal)",
         "each row's own max, taken after the mask: rows 1000 apart whose hidden keys score highest",
         "bf16: o rounded once (equal to the float64 answer rounded to bf16, up to 8 ties)",
-        "rows that see no key: o = 0, lse = -inf, no NaN",
+        "rows that see no key, hidden by a mask_mod or by a score_mod returning -inf: o = 0, lse = -inf, no NaN",
+        "contract: fp32 and float64 inputs left unchanged; q, k, v as views (transposed, sliced)",
         "bf16 in -> o bf16, lse fp32 [B, H, N_q]",
         "precision (2x rule vs float64 flex_attention, against flex_attention in that dtype): o and lse for bf16 "
         "and fp16 with a score_mod and causal",
@@ -45,10 +46,14 @@ RULES = {
         "own code: no flex_attention / SDPA; launches _sparse_fwd_kernel",
         "fp32 vs a float64 dense reference (block 16, create_block_mask's lists): causal N = 64, a tail block "
         "(N = 72), window w = 20, a packed document mask (N = 100, ids loaded per block), causal N_q = 40 != N_k = 72; "
-        "head size 32 != block 16 (HEAD_DIM and scale from the input); outputs a kernel never writes read NaN",
+        "head size 32 != block 16 (HEAD_DIM and scale from the input); window 0 (the diagonal only); block 32 (the "
+        "argument, not the notebook's P.block); outputs a kernel never writes read NaN",
         "full blocks skip the mask, partial blocks apply it (lists forged: every block full / every block partial)",
         "only the listed blocks read: interpreter's loaded elements between the K/V of the listed blocks and that "
         "plus q, ids and list entries (window 16, N = 128)",
+        "only the listed blocks computed: interpreter's tl.dot products at most twice the listed blocks' (a loop over "
+        "every slot with masked loads reads little but computes every block)",
+        "contract: q, k, v, the lists and the sink (fp32) left unchanged in every run; q, k, v as views",
         "no load or store outside the tensors handed to the kernel, in every run above (tail blocks masked: K, V, "
         "key ids by N_K; q, o, lse by N_Q)",
         "the sink: vs the reference with one more column (value 0); the identity o_sink = o * sigmoid(lse - sink); "
@@ -66,18 +71,23 @@ RULES = {
         "dsink vs float64 autograd through dense attention with the sink as an extra column (B = 2, H = 3, N = 40): "
         "sign, exp(sink - lse), summed over batch and rows, [H] fp32",
         "bf16 o and dO (d = 64): within 1e-4 (relative) of the formula in float64 on the same bf16 values: D in fp32",
+        "contract: fp32 o, dO, lse and sink left unchanged (`.float()` of fp32 is the same tensor); views",
     ],
     "ex7_sparse_backward": [
         "own code: no autograd; launches _sparse_bwd_dkdv_kernel and _sparse_bwd_dq_kernel (apart, or both in one launch "
         "of the given _sparse_bwd_kernel)",
         "dV, dK, dQ vs float64 autograd through dense attention with the same table (block 16, create_block_mask's "
         "lists): causal N = 64, a tail block (N = 72), window 20, documents N = 100, causal N_q = 40 != N_k = 72, "
-        "B = 2 with head size 32 != block 16, a sink; outputs a kernel never writes read NaN",
+        "B = 2 with head size 32 != block 16, a sink, window 0, block 32 (the argument, not P.block); outputs a kernel "
+        "never writes read NaN",
+        "rows that see no key (lse = -inf; window 4, N_q = 32 > N_k = 16): no NaN in dQ, dK, dV",
         "no load or store outside the tensors handed to the kernels, in every run above (tail blocks masked)",
         "64-bit head offsets in both kernels (and the optional preprocess kernel where the wrapper launches it): "
         "launched by hand with the head's program id past 2^27 (lse and D offsets too; no int32 overflow)",
         "dK/dV read the transposed (q_*) lists, dQ the kv lists; partial blocks masked (P = 0), full blocks not",
-        "both kernels read only listed blocks (interpreter's loaded elements, window 16, N = 128)",
+        "both kernels read only listed blocks (interpreter's loaded elements, window 16, N = 128) and compute only "
+        "them (tl.dot products at most twice the listed blocks')",
+        "contract: q, k, v, o, lse, dO (fp32) and the lists left unchanged in every run; each as a view",
         "fp32 inputs launch both kernels with PREC=\"ieee\", bf16 and fp16 inputs with \"tf32\" (launches recorded)",
         "D handed to the kernels in fp32: the recorded delta_ptr of a bf16 launch (d = 64) within 1e-4 of float64 row sums",
         "bf16 and fp16 in -> gradients in that dtype; dQ, dK, dV by the 2x rule (vs float64 autograd, against autograd "
@@ -87,7 +97,7 @@ RULES = {
     ],
     "ex8_packing": [
         "tokens, cu_seqlens (leading 0), position_ids (restart per document), document_ids (from 0) for lengths 3, 1, 4",
-        "dtypes: cu_seqlens int32, the rest int64",
+        "dtypes: cu_seqlens int32, the rest int64; the documents passed in left unchanged",
         "no cross-document contamination: the last document's loss has zero gradient on the earlier documents' "
         "inputs through attention masked by document_ids",
     ],
@@ -145,6 +155,14 @@ MISTAKES = {
          "work = q.dtype"),
         ("lse without the row max", "lse = (m + torch.log(l)).squeeze(-1)", "lse = torch.log(l).squeeze(-1)"),
         ("scale ignored", "scale = 1.0 / math.sqrt(d) if scale is None else scale", "scale = 1.0 / math.sqrt(d)"),
+        ("scale = 0 read as unset (`scale or 1/sqrt(d)`)", "scale = 1.0 / math.sqrt(d) if scale is None else scale",
+         "scale = scale or 1.0 / math.sqrt(d)"),
+        ("empty rows handled only under a mask_mod (a score_mod's -inf row gives NaN)",
+         "    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)              # a row that sees no key: shift by 0\n",
+         "    if mask_mod is not None:                                             # only a mask hides a whole row\n"
+         "        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)\n"),
+        ("scores scaled in place on q (the caller's q changed)",
+         "s = (q.to(work) @ k.to(work).transpose(-2, -1)) * scale", "s = q.to(work).mul_(scale) @ k.to(work).transpose(-2, -1)"),
         ("rules called for head 0 only", "h = torch.arange(H, device=q.device).view(1, H, 1, 1)",
          "h = torch.zeros(1, 1, 1, 1, dtype=torch.long)"),
         ("empty rows: NaN lse, o cleaned with nan_to_num",
@@ -196,6 +214,20 @@ MISTAKES = {
         ("transposed partial lists from seen (full blocks listed as partial)", "as_lists(partial.T)", "as_lists(seen.T)"),
     ],
     "ex5_sparse_kernel": [
+        ("every slot of the partial list computed, unlisted ones masked off (reads only listed blocks)",
+         "    for j in range(0, tl.load(kv_num_ptr + qb)):               # partial blocks: bounds and the rule\n"
+         "        start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n"
+         "        offs_n = start_n + tl.arange(0, BLOCK_N)\n"
+         "        inside = offs_n < N_K\n",
+         "    for j in range(0, N_KV_BLOCKS):                            # every slot, the unlisted ones masked off\n"
+         "        start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n"
+         "        offs_n = start_n + tl.arange(0, BLOCK_N)\n"
+         "        inside = (offs_n < N_K) & (j + 0 * offs_n < tl.load(kv_num_ptr + qb))\n"),
+        ("block fixed at the notebook's P.block (the block argument ignored)", "    B, H, Nq, d = q.shape\n",
+         "    B, H, Nq, d = q.shape\n    block = P.block                                  # the notebook's block size\n"),
+        ("window 0 read as no window (`window or N_k`)", "H, int(window), kv_idx.shape[-1]", "H, int(window or Nk), kv_idx.shape[-1]"),
+        ("window rule written for w >= 4 (window 0 sees 4 keys)", "(offs_m[:, None] - offs_n[None, :] <= WINDOW)",
+         "(offs_m[:, None] - offs_n[None, :] <= tl.maximum(WINDOW, 4))"),
         ("every key block read (listed or not), masked",
          "    for j in range(0, tl.load(kv_num_ptr + qb)):               # partial blocks: bounds and the rule\n"
          "        start_n = tl.load(kv_idx_ptr + qb * N_KV_BLOCKS + j) * BLOCK_N\n",
@@ -258,6 +290,8 @@ MISTAKES = {
         ("sigmoid instead of exp", "torch.exp(sink.float().view(1, -1, 1) - lse.float())",
          "torch.sigmoid(sink.float().view(1, -1, 1) - lse.float())"),
         ("mean over the batch", "return -(p_sink * D).sum(dim=(0, 2))", "return -(p_sink * D).sum(dim=2).mean(dim=0)"),
+        ("o overwritten in place (`.float().mul_()`: the caller's fp32 o)", "D = (do.float() * o.float()).sum(dim=-1)",
+         "D = o.float().mul_(do.float()).sum(dim=-1)"),
     ],
     "ex7_sparse_backward": [
         ("dK/dV kernel given the forward's lists (not transposed)",
@@ -339,6 +373,28 @@ MISTAKES = {
          "    tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty))\n"),
         ("fp16 launched with PREC=\"ieee\" (backward)", 'PREC="ieee" if q.dtype == torch.float32 else "tf32"',
          'PREC="tf32" if q.dtype == torch.bfloat16 else "ieee"'),
+        ("block fixed at the notebook's P.block (backward)", "    B, H, Nq, d = q.shape\n",
+         "    B, H, Nq, d = q.shape\n    block = P.block                                  # the notebook's block size\n"),
+        ("window 0 read as no window (backward)", "Nq, Nk, int(window), q_idx.shape[-1], kv_idx.shape[-1]",
+         "Nq, Nk, int(window or Nk), q_idx.shape[-1], kv_idx.shape[-1]"),
+        ("window rule written for w >= 16 (dK/dV)",
+         "(offs_m[None, :] - offs_n[:, None] <= WINDOW)\n                if MASK == 3:\n                    doc_q",
+         "(offs_m[None, :] - offs_n[:, None] <= tl.maximum(WINDOW, 16))\n                if MASK == 3:\n                    doc_q"),
+        ("masked scores set to -inf before exp2 (dK/dV: -inf - lse2 = NaN where lse = -inf)",
+         "                pt = tl.where(keep, pt, 0.0)\n            dv = tl.dot(",
+         "                pt = tl.math.exp2(tl.where(keep, tl.dot(k, qt, input_precision=PREC) * qk_scale, float(\"-inf\"))"
+         " - lse2[None, :])\n            dv = tl.dot("),
+        ("dQ kernel computes every slot of the lists, unlisted ones masked off (reads only listed blocks)",
+         "        for t in range(0, count * SPLIT):\n"
+         "            start_n = tl.load(idx_ptr + t // SPLIT) * BLOCK_N + (t % SPLIT) * (BLOCK_N // SPLIT)\n"
+         "            offs_n = start_n + tl.arange(0, BLOCK_N // SPLIT)\n"
+         "            inside = offs_n < N_K\n",
+         "        for t in range(0, N_KV_BLOCKS * SPLIT):\n"
+         "            start_n = tl.load(idx_ptr + t // SPLIT) * BLOCK_N + (t % SPLIT) * (BLOCK_N // SPLIT)\n"
+         "            offs_n = start_n + tl.arange(0, BLOCK_N // SPLIT)\n"
+         "            inside = (offs_n < N_K) & (t // SPLIT + 0 * offs_n < count)\n"),
+        ("lse scaled in place (`lse.float().mul_()`: the caller's fp32 lse)", PREPROCESS_LAUNCH,
+         torch_d_and_lse2("(do.float() * o.float()).sum(dim=-1)", "lse.float().mul_(LOG2E)")),
     ],
     "ex8_packing": [
         ("cu_seqlens without the leading 0", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[1:],'),
@@ -386,16 +442,16 @@ FITTED = {
          "full = full & torch.ones(n_q, n_k, dtype=torch.bool).tril(-1)\n    partial = seen & ~full"),
     ],
     "ex5_sparse_kernel": [
-        ("window rule written for w >= 4", "(offs_m[:, None] - offs_n[None, :] <= WINDOW)",
-         "(offs_m[:, None] - offs_n[None, :] <= tl.maximum(WINDOW, 4))"),
+        ("window rule right for even windows only (every visible window is even)",
+         "(offs_m[:, None] - offs_n[None, :] <= WINDOW)", "(offs_m[:, None] - offs_n[None, :] <= WINDOW + WINDOW % 2)"),
     ],
     "ex6_sink_grad": [
         ("batch of two summed by hand", "(p_sink * D).sum(dim=(0, 2))", "(p_sink[:2] * D[:2]).sum(dim=(0, 2))"),
     ],
     "ex7_sparse_backward": [
-        ("window rule written for w >= 4 (backward)",
+        ("window rule right for even windows only (dK/dV; every visible window is even)",
          "(offs_m[None, :] - offs_n[:, None] <= WINDOW)\n                if MASK == 3:\n                    doc_q",
-         "(offs_m[None, :] - offs_n[:, None] <= tl.maximum(WINDOW, 16))\n                if MASK == 3:\n                    doc_q"),
+         "(offs_m[None, :] - offs_n[:, None] <= WINDOW + WINDOW % 2)\n                if MASK == 3:\n                    doc_q"),
     ],
     "ex8_packing": [
         ("cu_seqlens for three documents", '"cu_seqlens": cu_seqlens,', '"cu_seqlens": cu_seqlens[:4],'),

@@ -72,6 +72,36 @@ CHECKS = {
         "ex7_sparse_backward", "32-bit head offsets (preprocess kernel)", "64 位元的 head 偏移量"),
     "backward_precision": (lambda g: nb09_backward.backward_precision(g["sparse_attention_backward"], g["causal"]),
                            "ex7_sparse_backward", "D in the input dtype (D and lse2 from PyTorch)", "D = rowsum(dO ∘ O) 在 fp32 中計算"),
+    "dense_matches_flex (scale 0)": (lambda g: nb09.dense_matches_flex(g["dense_attention"], g["causal"], g["relative_bias"]),
+                                     "ex1_dense_reference", "scale = 0 read as unset (`scale or 1/sqrt(d)`)", "scale = 0"),
+    "dense_empty_rows (score_mod)": (lambda g: nb09.dense_empty_rows(g["dense_attention"]), "ex1_dense_reference",
+                                     "empty rows handled only under a mask_mod (a score_mod's -inf row gives NaN)",
+                                     "沒有 NaN（score_mod 回傳 -inf）"),
+    "dense_contract": (lambda g: nb09.dense_contract(g["dense_attention"], g["causal"]), "ex1_dense_reference",
+                       "scores scaled in place on q (the caller's q changed)", "練習 1（float32）：不修改輸入"),
+    "sink_grad_matches (fp32 inputs)": (lambda g: nb09_forward.sink_grad_matches(g["sink_grad"], 2, 3, 40, 7, "B = 2"),
+                                        "ex6_sink_grad", "o overwritten in place (`.float().mul_()`: the caller's fp32 o)",
+                                        "練習 6（fp32 輸入）：不修改輸入"),
+    "forward_matches (block 32)": (lambda g: nb09_forward.forward_matches(g["sparse_attention"], "b32", g["causal"], 40, 40, "",
+                                                                          block=32),
+                                   "ex5_sparse_kernel", "block fixed at the notebook's P.block (the block argument ignored)",
+                                   "，b32"),
+    "forward_matches (window 0)": (lambda g: nb09_forward.forward_matches(g["sparse_attention"], "w0", g["sliding_window"](0),
+                                                                          32, 32, "", mask="window", window=0),
+                                   "ex5_sparse_kernel", "window 0 read as no window (`window or N_k`)", "，w0"),
+    "forward_reads_listed_blocks (computed)": (
+        lambda g: nb09_forward.forward_reads_listed_blocks(g["sparse_attention"], g["sliding_window"]), "ex5_sparse_kernel",
+        "every slot of the partial list computed, unlisted ones masked off (reads only listed blocks)", "只算清單上的區塊"),
+    "backward_matches (rows that see no key)": (
+        lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "empty", g["sliding_window"](4), 32, 16, "",
+                                                 mask="window", window=4), "ex7_sparse_backward",
+        "masked scores set to -inf before exp2 (dK/dV: -inf - lse2 = NaN where lse = -inf)", "，empty"),
+    "backward_matches (block 32)": (
+        lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "b32", g["causal"], 40, 40, "", block=32),
+        "ex7_sparse_backward", "block fixed at the notebook's P.block (backward)", "，b32"),
+    "backward_matches (inputs unchanged)": (
+        lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "lse", g["causal"], 16, 16, ""),
+        "ex7_sparse_backward", "lse scaled in place (`lse.float().mul_()`: the caller's fp32 lse)", "練習 7（lse）：不修改輸入"),
 }
 
 
@@ -99,3 +129,34 @@ def test_table_and_attention64_follow_the_conventions():
     o_s, lse_s = nb09.attention64(q, k, v, allowed, sink)
     assert torch.allclose(lse_s[:, :, :2], sink.double().view(1, 2, 1).expand(1, 2, 2)) and (o_s[:, :, :2] == 0).all()
     assert torch.allclose(o_s[:, :, 2:], o[:, :, 2:] * torch.sigmoid(lse[:, :, 2:] - sink.double().view(1, 2, 1)).unsqueeze(-1))
+
+
+def _as_stored(t: torch.Tensor) -> torch.Tensor:
+    """t's storage read as if t were contiguous: what a wrapper blind to strides hands its kernel."""
+    return torch.as_strided(t, t.shape, torch.empty(t.shape).stride(), t.storage_offset())
+
+
+def test_the_contract_checks_pass_the_solution_and_catch_a_changed_sink_and_wrappers_blind_to_strides(ns):
+    sparse, backward, causal = ns["sparse_attention"], ns["sparse_attention_backward"], ns["causal"]
+    nb09_forward.forward_contract(sparse, causal)
+    nb09_backward.backward_contract(backward, causal)
+
+    def scales_the_sink(q, k, v, lists, block, sink=None, **kw):
+        return sparse(q, k, v, lists, block, sink=sink.mul_(1.0 + 1e-3), **kw)
+
+    with pytest.raises(AssertionError) as failed:
+        nb09_forward.forward_matches(scales_the_sink, "sink", causal, 16, 16, "", sink=torch.tensor([1.5, -0.5]))
+    assert "練習 5（sink）：不修改輸入" in str(failed.value), str(failed.value)
+    for check, wrong in ((nb09_forward.forward_contract, lambda q, *a, **kw: sparse(_as_stored(q), *a, **kw)),
+                         (nb09_backward.backward_contract, lambda q, k, v, o, lse, do, *a, **kw:
+                          backward(q, k, v, o, lse, _as_stored(do), *a, **kw))):
+        with pytest.raises(AssertionError) as failed:
+            check(wrong, causal)
+        assert "輸入可以是 view" in str(failed.value), str(failed.value)
+
+
+def test_check_blocks_computed_allows_twice_the_listed_blocks():
+    block_products = 16 * 16 * 16
+    nb09_forward.check_blocks_computed({"products": 2 * 3 * 2 * block_products}, 3, 2, name="blocks", hint="")
+    with pytest.raises(AssertionError, match="blocks"):
+        nb09_forward.check_blocks_computed({"products": 2 * 3 * 2 * block_products + 1}, 3, 2, name="blocks", hint="")

@@ -90,6 +90,19 @@ def test_loaded_elements_counts_unmasked_lanes():
     assert later["elements"] == 0
 
 
+def test_loaded_elements_counts_the_products_of_every_dot():
+    a, b, c = torch.randn(16, 32), torch.randn(32, 64), torch.empty(16, 64)
+    with lk.tritonmode.loaded_elements() as count:
+        _matmul[(1,)](a, b, c, 16, 32, 64)
+        _matmul[(1,)](a, b, c, 16, 32, 64)
+    assert count["products"] == 2 * 16 * 32 * 64 and count["elements"] == 2 * (16 * 32 + 32 * 64)
+    with lk.tritonmode.loaded_elements() as later:
+        pass
+    _matmul[(1,)](a, b, c, 16, 32, 64)
+    assert later["products"] == 0                          # counting stops with the block
+    torch.testing.assert_close(c, a @ b, rtol=1e-5, atol=1e-5)
+
+
 @triton.autotune(configs=lk.tritonmode.tile_configs([(128, 64, 4, 3)], small=(32, 16, 4, 1)), key=["n"])
 @triton.jit
 def _tuned_fill(x_ptr, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
