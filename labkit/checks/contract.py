@@ -19,6 +19,7 @@ Used in: the check modules of the notebooks (labkit/checks/nbNN*.py).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -207,6 +208,27 @@ def check_follows_device(fn: Callable, *args, name: str, **kwargs) -> None:
     off = [str(t.device) for t in _tensors(result) if t.device.type != "meta"]
     grading.check_true(not off, name=f"{name}：跟著輸入的裝置（device）", hint=hint, detail=(
         f"輸入放在另一個裝置（meta，代表 GPU）時，回傳的張量卻在 {sorted(set(off))} 上。"))
+
+
+@contextlib.contextmanager
+def new_memory_reads_nan():
+    """Inside, every tensor made by ``torch.empty``/``empty_like``/``new_empty``/``empty_strided`` starts as NaN (integers
+    as -1): an output an answer leaves partly unwritten then reads NaN there, whatever the allocator hands out (a
+    block freed by an earlier right answer on the same inputs would otherwise still hold the right values)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    empties = {torch.ops.aten.empty_like.default, torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.default,
+               torch.ops.aten.empty_strided.default}
+
+    class _NanFill(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in empties and out.device.type != "meta":
+                out.fill_(float("nan") if out.is_floating_point() else -1)
+            return out
+
+    with _NanFill():
+        yield
 
 
 def check_contract(fn: Callable, *args, name: str, other: Callable[[], object] | None = None, meta: bool = False,

@@ -184,3 +184,15 @@ def test_views_once_names_an_input_changed_in_place_only_when_contiguous(qkv):
         return attention(q.contiguous().mul_(2.0), k, v)
     with pytest.raises(AssertionError, match=r"不修改輸入.*第 1 個參數 有 120 個元素被改了"):
         contract.check_views_once(scales_contiguous_q, *qkv, name="ex")
+
+
+def test_new_memory_reads_nan_inside_and_not_after():
+    def half_written(x):
+        out = torch.empty_like(x)
+        out[:1] = x[:1]
+        return out, x.new_empty(2, dtype=torch.int64), torch.empty_strided((2, 2), (1, 2))
+
+    x = torch.ones(3, 4)
+    with contract.new_memory_reads_nan():
+        out, ints, strided = half_written(x)
+    assert torch.equal(out[0], x[0]) and out[1:].isnan().all() and (ints == -1).all() and strided.isnan().all()
