@@ -152,7 +152,8 @@ def check_views_once(fn: Callable, *args, name: str, want=None, atol: float | No
 
 
 def check_inputs_unchanged(fn: Callable, *args, name: str, **kwargs):
-    """``fn(*args, **kwargs)`` leaves every tensor in its arguments as it was (NaN where NaN). Returns fn's result."""
+    """``fn(*args, **kwargs)`` leaves every tensor in its arguments as it was (NaN where NaN; a tensor resized in place
+    counts as changed). Returns fn's result."""
     named = _named_tensors(args, kwargs)
     named += [(f"{k} 內的張量", t) for k, v in kwargs.items() if not isinstance(v, torch.Tensor) for t in _tensors(v)]
     named += [(f"第 {i + 1} 個參數內的張量", t) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)
@@ -161,9 +162,13 @@ def check_inputs_unchanged(fn: Callable, *args, name: str, **kwargs):
     result = fn(*args, **kwargs)
     for (which, t), old in zip(named, before):
         now = t.detach()
-        same = (now == old) | (now.isnan() & old.isnan()) if now.is_floating_point() else now == old
+        if now.shape != old.shape:                   # resized in place (resize_, set_, out=): a change, not a crash
+            same = torch.zeros(1, dtype=torch.bool)
+        else:
+            same = (now == old) | (now.isnan() & old.isnan()) if now.is_floating_point() else now == old
         grading.check_true(bool(same.all()), name=f"{name}：不修改輸入", detail=(
-            f"呼叫之後，傳入的 {which} 有 {int((~same).sum())} 個元素被改了。"),
+            f"呼叫之後，傳入的 {which} 有 {int((~same).sum())} 個元素被改了"
+            f"{'' if now.shape == old.shape else f'（形狀從 {tuple(old.shape)} 變成 {tuple(now.shape)}）'}。"),
             hint="原地（in-place）運算（&=、+=、mul_、masked_fill_、.copy_）會改到呼叫端的張量；改用不帶底線的版本，或先 .clone()。")
     return result
 
@@ -172,10 +177,20 @@ def check_no_state(call: Callable[[], object], other: Callable[[], object], *, n
                    atol: float | None = None) -> None:
     """``call()`` and ``other()`` (the same function configured differently: another base, causal or not, another
     block size; their answers must differ) each answer the same again after the other ran, and not each other's."""
-    first, first_other = call(), other()
-    again, again_other = call(), other()
+    def attempt(run):
+        """(run's answer, "") or (None, the error): a call that fails after another ran breaks the same rule."""
+        try:
+            return run(), ""
+        except Exception as error:  # noqa: BLE001 - e.g. a mask cached by part of the shape no longer fits
+            return None, f"出錯 {type(error).__name__}: {str(error)[:200]}"
+
+    first = call()
+    (first_other, error_other), (again, error_again), (again_other, error_again_other) = (attempt(other), attempt(call),
+                                                                                           attempt(other))
+    diffs = (error_again or _differs(again, first, atol),
+             error_other or error_again_other or _differs(again_other, first_other, atol))
     hint = "設定要放在區域變數或 ctx（ctx.causal = causal），不要存在 class、全域變數或只以部分參數為鍵的快取裡。"
-    for what, diff in (("同一個呼叫", _differs(again, first, atol)), ("另一個設定的呼叫", _differs(again_other, first_other, atol))):
+    for what, diff in zip(("同一個呼叫", "另一個設定的呼叫"), diffs):
         grading.check_true(not diff, name=f"{name}：不留跨呼叫的狀態", hint=hint, detail=(
             f"{what}在中間夾了另一個呼叫之後，結果不同：{diff}。"))
     grading.check_true(bool(_differs(first_other, first, atol)), name=f"{name}：不留跨呼叫的狀態", hint=hint, detail=(

@@ -14,6 +14,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.engine import attention
 
@@ -47,6 +48,25 @@ def returns_output_and_none(my_attention) -> None:
                        detail=f"query 是 [B, H, N, D] = (2, 3, 6, 8)，輸出應為 (2, 6, 3, 8)，"
                               f"卻得到 {tuple(getattr(result[0], 'shape', ()))}。",
                        hint="transformers 要的是 [B, N, H, D]：最後把 [B, H, N, D] 的結果 transpose(1, 2)。")
+
+
+def keeps_the_contract(my_attention) -> None:
+    """q, k, v [2, 3, 6, 8] with a boolean mask [2, 1, 6, 6] and dropout=0.0, as transformers passes them: q, k, v and
+    the caller's mask left unchanged; each as a view (the transposed storage of [B, N, H, D], rows of a wider buffer)
+    gives the contiguous answer; a causal call with Nk = 9 in between changes nothing (no mask cached by shape); on
+    meta inputs every tensor it makes follows query's device; scaling=0.0 is used as given (o = mean of v)."""
+    g = torch.Generator().manual_seed(58)
+    q, k, v = _qkv(g)
+    keep = torch.rand(2, 1, 6, 6, generator=g) > 0.3
+    contract.check_contract(my_attention, CAUSAL, q, k, v, keep, name="my_attention", meta=True, atol=1e-6,
+                            scaling=0.5, dropout=0.0)
+    k9, v9 = (torch.randn(2, 3, 9, 8, generator=g) for _ in range(2))
+    contract.check_no_state(lambda: my_attention(CAUSAL, q, k, v, None, scaling=0.5),
+                            lambda: my_attention(CAUSAL, q, k9, v9, None, scaling=0.5), name="my_attention", atol=1e-6)
+    contract.check_follows_device(my_attention, CAUSAL, q, k9, v9, None, name="my_attention", scaling=0.5)  # its own mask
+    grading.check_tensor(my_attention(BIDIRECTIONAL, q, k, v, None, scaling=0.0)[0], v.mean(-2, keepdim=True).expand_as(v).transpose(1, 2),
+                         name="my_attention：scaling=0.0 照用（每個分數都是 0，輸出 = value 的平均）", atol=1e-6,
+                         hint="只有 scaling is None 時才用 1/sqrt(D)：`scaling or D ** -0.5` 會把 0.0 當成沒給。")
 
 
 def follows_scaling_and_masks(my_attention) -> None:

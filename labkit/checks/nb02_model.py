@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.models import gpt2, hf_attention
 
@@ -64,6 +65,12 @@ def registers_in_both_tables(register_attention) -> str:
     grading.check_true(ALL_MASK_ATTENTION_FUNCTIONS[name] is sdpa_mask, name="遮罩函式是 transformers 的 sdpa_mask",
                        detail="AttentionMaskInterface 裡這個名字對應的不是 sdpa_mask。",
                        hint="遮罩表要的是產生遮罩的函式（sdpa_mask），不是注意力函式 fn。")
+    other_fn, other = (lambda *args, **kwargs: fn(*args, **kwargs)), fresh_name("ex2_other")  # a second call, another fn
+    register_attention(other, other_fn)
+    grading.check_true(ALL_ATTENTION_FUNCTIONS[other] is other_fn and ALL_ATTENTION_FUNCTIONS[name] is fn,
+                       name="register_attention：不留跨呼叫的狀態（第二次註冊另一個名字與 fn）",
+                       detail="第二次呼叫後，兩個名字在 AttentionInterface 裡不是各自傳進來的 fn。",
+                       hint="每次都註冊這次傳進來的 name 與 fn：不要把 fn 存在函式屬性、全域變數或快取裡沿用。")
     return name
 
 
@@ -215,7 +222,10 @@ def pads_both_sides(pad_batch) -> None:
     """[[5, 6, 7, 8], [1, 2]] padded with 9 on each side: three torch.long tensors [2, 4] as worked out by hand."""
     for side, expected in (("right", ([[5, 6, 7, 8], [1, 2, 9, 9]], [[1, 1, 1, 1], [1, 1, 0, 0]], [[0, 1, 2, 3], [0, 1, 0, 0]])),
                            ("left", ([[5, 6, 7, 8], [9, 9, 1, 2]], [[1, 1, 1, 1], [0, 0, 1, 1]], [[0, 1, 2, 3], [0, 0, 0, 1]]))):
-        got = pad_batch([[5, 6, 7, 8], [1, 2]], 9, side=side)
+        seqs = [[5, 6, 7, 8], [1, 2]]
+        got = pad_batch(seqs, 9, side=side)
+        grading.check_true(seqs == [[5, 6, 7, 8], [1, 2]], name=f"pad_batch：不修改輸入（{side}）",
+                           detail=f"呼叫之後，傳入的串列變成 {seqs}。", hint="補齊寫進新的張量；不要對呼叫端的串列 extend、insert 或 +=。")
         grading.check_true(isinstance(got, tuple) and len(got) == 3, name="pad_batch 回傳值",
                            detail="應回傳 (input_ids, attention_mask, position_ids)。")
         for what, actual, rows in zip(("input_ids", "attention_mask", "position_ids"), got, expected):
@@ -290,7 +300,7 @@ def decodes_like_without_cache(greedy_decode) -> None:
     attention the same tokens through the KV cache (:func:`decode_uses_kv_cache`)."""
     model = gpt2.build_model("tiny", attn_implementation="eager")
     prompt = torch.randint(0, 255, (2, 10), generator=torch.Generator().manual_seed(5))
-    got = greedy_decode(model, prompt, 8)
+    got = contract.check_inputs_unchanged(greedy_decode, model, prompt, 8, name="greedy_decode")
     grading.check_true(isinstance(got, torch.Tensor) and tuple(got.shape) == (2, 18),
                        name="形狀 [B, N + max_new_tokens]（提示接上新 token）",
                        detail=f"應為 (2, 18)，卻得到 {tuple(got.shape) if isinstance(got, torch.Tensor) else type(got)}。",

@@ -152,11 +152,23 @@ def _matrix(design_matrix, df) -> torch.Tensor:
     return torch.as_tensor(np.asarray(design_matrix(df), dtype=float))
 
 
+def _unchanged(name: str, which: str, before, after) -> None:
+    """``after`` (a DataFrame or numpy array the answer was handed) equals the copy ``before`` taken before the call."""
+    same = before.equals(after) if isinstance(before, pd.DataFrame) else np.array_equal(before, after)
+    grading.check_true(same, name=f"{name}：不修改輸入（{which}）", detail=f"呼叫之後，傳入的 {which} 被改了"
+                       + (f"：欄位從 {list(before.columns)} 變成 {list(after.columns)}。" if isinstance(before, pd.DataFrame) else "。"),
+                       hint="不要在呼叫端的 df 上新增或改寫欄位（df['c'] = ...），也不要原地運算（X /= ...、y *= ...）；"
+                            "用區域變數，或先 .copy()。")
+
+
 def design_matrix_columns(design_matrix) -> None:
     """[rows, 4] = 4BHN²d·c, BHN²·c, BHNd, 1 (c = 0.5 when causal) for a non-causal and a causal row, and a
-    GPU-sized row (4BHN²d ~ 3.5e13) without int32 overflow; no labkit."""
+    GPU-sized row (4BHN²d ~ 3.5e13) without int32 overflow; the caller's df left as it was (no column added); no labkit."""
     tiny = pd.DataFrame([dict(B=2, H=3, N=6, D=5, causal=False), dict(B=2, H=3, N=6, D=5, causal=True)])
-    grading.check_tensor(_matrix(design_matrix, tiny), torch.tensor([[4320.0, 216, 180, 1], [2160, 108, 180, 1]], dtype=torch.float64),
+    before = tiny.copy()
+    matrix = _matrix(design_matrix, tiny)
+    _unchanged("design_matrix", "df", before, tiny)
+    grading.check_tensor(matrix, torch.tensor([[4320.0, 216, 180, 1], [2160, 108, 180, 1]], dtype=torch.float64),
                          name="design_matrix：[列數, 4]，欄位 4BHN²d·c、BHN²·c、BHNd、1（causal 時 c = 0.5）", atol=1e-9,
                          hint="causal 時前兩欄乘 0.5；第三欄 B·H·N·D 不變；最後一欄是 1。")
     grading.check_own_code(design_matrix, name="design_matrix 不可呼叫 labkit")
@@ -169,12 +181,16 @@ def design_matrix_columns(design_matrix) -> None:
 
 def fit_least_relative_error(design_matrix, fit_time_model) -> None:
     """On 16 configurations without noise the fit reproduces y and the coefficients; on 96 noisy ones spanning three
-    decades (0.02 ms to 50 ms) it reaches the least relative squared error sum(((X θ - y) / y)²); no labkit."""
+    decades (0.02 ms to 50 ms) it reaches the least relative squared error sum(((X θ - y) / y)²); X and y left
+    unchanged (no X /= y in place); no labkit."""
     toy = _frame(B=(1, 2), H=(2, 4), N=(64, 256), D=(16, 32), causal=(False,))
     X_toy = _matrix(design_matrix, toy).numpy()
     true_coef = np.array([2e-10, 3e-7, 1e-8, 0.02])
     y_toy = X_toy @ true_coef
+    X_before, y_before = X_toy.copy(), y_toy.copy()
     coef = np.asarray(fit_time_model(X_toy, y_toy), dtype=float)
+    _unchanged("fit_time_model", "X", X_before, X_toy)
+    _unchanged("fit_time_model", "y", y_before, y_toy)
     grading.check_tensor(torch.as_tensor(X_toy @ coef), torch.as_tensor(y_toy), name="fit_time_model：沒有雜訊的資料要完全擬合",
                          atol=0, rtol=1e-6,
                          hint="沒有雜訊的資料，擬合後的預測應與 y 完全一致；每一欄除以範數解完後，係數也要除以同一個範數換回來。")

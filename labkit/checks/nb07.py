@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from labkit.checks import contract
 from labkit.core import grading
 from labkit.cp import ring as ringproc
 
@@ -50,6 +51,17 @@ def merge_equals_full_attention(merge) -> None:
         grading.check_tensor(lse, full_lse + shift, name=f"merge_partials：lse 約 {shift:+.0e} 時不可溢位", atol=1e-8,
                              hint=overflow)
         grading.check_tensor(o, full_o, name=f"merge_partials：lse 約 {shift:+.0e} 時的 o", atol=1e-9, hint=overflow)
+
+
+def merge_keeps_the_contract(merge) -> None:
+    """float64 partials (keys cut at 5): o1, lse1, o2, lse2 left unchanged (no lse1.sub_ on a caller's float64 lse, where
+    .to(float64) does not copy); each as a view (transposed storage, rows of a wider buffer) gives the contiguous
+    answer; a merge of other partials (cut at 3) in between changes nothing; on meta inputs every tensor it makes
+    follows the inputs' device (no torch.zeros without device=)."""
+    q, k, v = _qkv()
+    a, b = _halves(q, k, v, 5)
+    other_a, other_b = _halves(q, k, v, 3, k_start=0, causal=True)
+    contract.check_contract(merge, *a, *b, name="merge_partials", other=lambda: merge(*other_a, *other_b), meta=True)
 
 
 def merge_handles_empty_rows(merge) -> None:

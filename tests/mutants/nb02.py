@@ -20,6 +20,9 @@ RULES = {
         "fp64 inputs computed in fp64 (atol 1e-12)",
         "precision rule: scores and softmax in fp32 for bf16/fp16 inputs (2x rule against float64, large scores)",
         "softmax statistics (row max, sum of exp, lse) kept fp32: value equal on every key gives that value exactly",
+        "the contract: q, k, v and the caller's mask unchanged; transposed and sliced views give the contiguous answer; "
+        "no state between calls with another Nk; tensors made follow query's device (meta); dropout=0.0 passed",
+        "scaling=0.0 used as given (o = mean of v)",
         "scaling, s - m and exp in fp32: value = I exposes each probability, relative error by the 2x rule (scores +-50)",
     ],
     "ex2_register": [
@@ -29,6 +32,7 @@ RULES = {
         "a left-padded row gives its unpadded logits (the mask is applied)",
         "ValueError for a name containing 'flash' anywhere, in any case ('Flash', 'FLASH')",
         "a refused name is registered in neither table",
+        "a second registration (another name and fn) keeps each name's own fn (no state)",
     ],
     "ex3_agreement": [
         "no labkit",
@@ -53,12 +57,14 @@ RULES = {
         "side defaults to 'left'",
         "ValueError for an unknown side",
         "left-padded logits equal each sequence's unpadded logits",
+        "the caller's lists left unchanged (both sides)",
     ],
     "ex5_decode": [
         "no model.generate",
         "shape [B, N + max_new_tokens], prompt included",
         "same tokens as decoding without a cache (eager and labkit)",
         "KV cache used: one token per forward after the prefill, keys grow by one",
+        "the caller's input_ids left unchanged",
     ],
 }
 
@@ -120,6 +126,15 @@ MISTAKES = {
         ("own softmax: exp argument s - m rounded to the input dtype", _EX1_SOFTMAX,
          "m = scores.amax(-1, keepdim=True)\n    e = torch.exp((scores - m).to(value.dtype)).to(acc)\n"
          "    probs = (e / e.sum(-1, keepdim=True)).nan_to_num(0.0)"),
+        ("scaling=0.0 taken as not given", "scale = d ** -0.5 if scaling is None else scaling", "scale = scaling or d ** -0.5"),
+        ("caller's query scaled in place", "scores = (query.to(acc) @ key.to(acc).transpose(-2, -1)) * scale",
+         "scores = query.to(acc).mul_(scale) @ key.to(acc).transpose(-2, -1)"),
+        ("caller's mask inverted in place", 'scores = torch.where(keep, scores, float("-inf"))',
+         'scores = scores.masked_fill(keep.logical_not_(), float("-inf"))'),
+        ("q and k flattened with .view (fails on transformers' transposed views)",
+         "(query.to(acc) @ key.to(acc).transpose(-2, -1))",
+         "(query.to(acc).view(-1, n, d) @ key.to(acc).view(-1, nk, d).transpose(-2, -1)).view(*query.shape[:-1], nk)"),
+        ("causal mask cached by query length", "keep = j <= i + (nk - n)", "keep = my_attention.__dict__.setdefault(n, j <= i + (nk - n))"),
     ],
     "ex2_register": [
         ("mask function not registered", "    AttentionMaskInterface.register(name, sdpa_mask)\n", ""),
@@ -137,6 +152,8 @@ MISTAKES = {
         ("eager_mask registered (an additive float mask)", "AttentionMaskInterface.register(name, sdpa_mask)",
          'AttentionMaskInterface.register(name, __import__("transformers.masking_utils", fromlist=["eager_mask"]).eager_mask)'),
         ("'flash' matched case-sensitively", 'if "flash" in name.lower():', 'if "flash" in name:'),
+        ("first fn kept for every name", "AttentionInterface.register(name, fn)",
+         'AttentionInterface.register(name, register_attention.__dict__.setdefault("fn", fn))'),
     ],
     "ex3_agreement": [
         ("dropout left on", "    model.eval()\n", ""),
@@ -175,6 +192,9 @@ MISTAKES = {
          "(attention_mask.cumsum(-1) - 1)"),
         ("int32 attention_mask", "attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)",
          "attention_mask = torch.zeros((len(seqs), width), dtype=torch.int32)"),
+        ("caller's lists padded in place", "        input_ids[row, cols] = torch.tensor(s, dtype=torch.long)\n",
+         "        n = len(s)\n        s.extend([pad_id] * (width - n))\n"
+         "        input_ids[row] = torch.tensor(s if side == \"right\" else s[n:] + s[:n], dtype=torch.long)\n"),
     ],
     "ex5_decode": [
         ("no KV cache", "out = model(input_ids=nxt, use_cache=True, **lk.hfcompat.cache_kwarg(model, cache))",
@@ -193,6 +213,7 @@ MISTAKES = {
          "out = model(input_ids=nxt, position_ids=torch.zeros_like(nxt), use_cache=True,"),
         ("sampled instead of argmax", "out.logits[:, -1].argmax(-1, keepdim=True)",
          "torch.multinomial(out.logits[:, -1].softmax(-1), 1)"),
+        ("prompt tensor grown in place (set_)", "return torch.cat(tokens, dim=1)", "return input_ids.set_(torch.cat(tokens, dim=1))"),
     ],
 }
 
@@ -202,8 +223,8 @@ HIDDEN_ONLY = {}
 # grade_id -> [(name, text in the answer, replacement)]: pass the visible tests, fail the hidden ones
 FITTED = {
     "ex1_attention": [
-        ("scaling hard-coded to the visible 0.5", "scale = d ** -0.5 if scaling is None else scaling",
-         "scale = d ** -0.5 if scaling is None else 0.5"),
+        ("scaling hard-coded to the visible 0.5 (and 0.0)", "scale = d ** -0.5 if scaling is None else scaling",
+         "scale = d ** -0.5 if scaling is None else (0.0 if scaling == 0 else 0.5)"),
     ],
     "ex2_register": [
         ("only the visible 'flash' names refused", 'if "flash" in name.lower():',

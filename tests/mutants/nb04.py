@@ -32,6 +32,7 @@ RULES = {
     ],
     "ex4_predictor": [
         "design matrix columns and causal factor 0.5 on the first two; a GPU-sized row (4BHN^2d ~ 3.5e13) without int32 overflow",
+        "design_matrix leaves the caller's df unchanged (no column added); fit_time_model leaves X and y unchanged",
         "exact data: fit reproduces y and the coefficients",
         "noisy data over three decades: the fit reaches the least relative squared error",
         "MAPE in percent over |true|, for lists, arrays and Series",
@@ -107,7 +108,13 @@ MISTAKES["ex3_roofline"] += [
     ("ridge = peak x bandwidth", "peak_tflops * 1e12 / bandwidth", "peak_tflops * bandwidth / 1e12"),
     ("ridge hard-coded to the toy machine's 100", "intensity < peak_tflops * 1e12 / bandwidth", "intensity < 100"),
 ]
-MISTAKES["ex4_predictor"] += [("int32 columns (overflow)", "df[k].to_numpy(dtype=float)", "df[k].to_numpy(dtype=np.int32)")]
+MISTAKES["ex4_predictor"] += [
+    ("int32 columns (overflow)", "df[k].to_numpy(dtype=float)", "df[k].to_numpy(dtype=np.int32)"),
+    ("causal factor added as a column of the caller's df", 'c = np.where(df["causal"].to_numpy(dtype=bool), 0.5, 1.0)',
+     'df["c"] = np.where(df["causal"].to_numpy(dtype=bool), 0.5, 1.0)\n    c = df["c"].to_numpy()'),
+    ("X divided by y in place (the caller's array)", "A = X / y[:, None]", "X /= y[:, None]\n    A = X"),
+]
+MISTAKES["ex2_flash_bytes"] += [("elem_bytes ignored (bf16's 2 hard-coded)", "return elem_bytes * B * H", "return 2 * B * H")]
 
 # (grade_id, mistake) -> why no visible check can catch it (at most one per notebook)
 HIDDEN_ONLY = {}

@@ -11,6 +11,8 @@ RULES = {'ex1_merge': ['o and lse equal attention over all keys (even and uneven
                "o in o1's dtype (also when o2's differs: bf16 with fp32, both ways); lse float64 for float64 inputs, fp32 "
                "for bf16 o (never o's dtype)",
                'bf16 and fp16 partials: lse within 2x of the CPU flash kernel\'s error (fp32 statistics), o rounded once',
+               'the contract: inputs unchanged, views give the contiguous answer, no state between merges of other '
+               'partials, tensors made follow the inputs\' device (meta)',
                'no labkit in the answer'],
  'ex2_zigzag': ['a list of P lists of two chunk indices',
                 'chunk indices are Python ints',
@@ -83,6 +85,11 @@ MISTAKES["ex1_merge"] += [
     ("-inf guard keyed on lse2", "shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)",
      "shift = torch.where(torch.isneginf(lse2), torch.zeros_like(lse), lse)"),
     ("shift clamped at 0", "shift = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)", "shift = lse.clamp(min=0)"),
+    ("caller's lse1 shifted in place (.to(float64) does not copy)", "w1 = torch.exp(lse1 - shift)[..., None]",
+     "w1 = torch.exp(lse1.sub_(shift))[..., None]"),
+    ("o1 flattened with .view (fails on a transposed view)", "o = w1 * o1.to(acc) + w2 * o2.to(acc)",
+     "o = (w1.reshape(-1, 1) * o1.to(acc).view(-1, o1.shape[-1])).view(o1.shape) + w2 * o2.to(acc)"),
+    ("zero shift made on the default device", "torch.zeros_like(lse)", "torch.zeros(lse.shape, dtype=lse.dtype)"),
 ]
 MISTAKES["ex2_zigzag"] += [
     ("pair order swapped within a device", "[[i, 2 * P - 1 - i] for i in range(P)]", "[[2 * P - 1 - i, i] for i in range(P)]"),

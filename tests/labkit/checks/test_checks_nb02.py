@@ -18,6 +18,7 @@ SETUP = ("import torch\nimport labkit as lk\nfrom transformers import AttentionI
 CHECKS = {  # check -> (grade_id, a mistake of tests/mutants/nb02.py, words of the message that names its rule)
     nb02.own_formula: ("ex1_attention", "calls SDPA", "不呼叫 SDPA 或 labkit"),
     nb02.returns_output_and_none: ("ex1_attention", "[B, H, N, D] returned", "輸出排列 [B, N, H, D]"),
+    nb02.keeps_the_contract: ("ex1_attention", "caller's query scaled in place", "my_attention：不修改輸入"),
     nb02.follows_scaling_and_masks: ("ex1_attention", "causal mask aligned top-left", "因果規則對齊右下角"),
     nb02.output_dtype_follows_value: ("ex1_attention", "fp64 inputs computed in fp32", "fp64 輸入以 fp64 計算"),
     nb02.precision_large_scores: ("ex1_attention", "scores and softmax in the input dtype", "分數很大"),
@@ -60,6 +61,25 @@ def test_every_check_of_the_modules_is_tested():
     public = {f for m in (nb02, nb02_model) for name, f in vars(m).items() if inspect.isfunction(f)
               and not name.startswith("_") and f.__module__ == m.__name__}
     assert public - HELPERS == set(CHECKS), sorted(f.__qualname__ for f in public ^ set(CHECKS) - HELPERS)
+
+
+CONTRACT = [  # (check, grade_id, a mistake of the contract's classes, words of the message that names its rule)
+    (nb02.keeps_the_contract, "ex1_attention", "caller's mask inverted in place", "my_attention：不修改輸入"),
+    (nb02.keeps_the_contract, "ex1_attention", "q and k flattened with .view (fails on transformers' transposed views)",
+     "my_attention：輸入可以是 view"),
+    (nb02.keeps_the_contract, "ex1_attention", "causal mask cached by query length", "my_attention：不留跨呼叫的狀態"),
+    (nb02.keeps_the_contract, "ex1_attention", "causal mask on the default device", "my_attention：跟著輸入的裝置"),
+    (nb02.keeps_the_contract, "ex1_attention", "scaling=0.0 taken as not given", "scaling=0.0 照用"),
+    (nb02_model.registers_in_both_tables, "ex2_register", "first fn kept for every name", "register_attention：不留跨呼叫的狀態"),
+    (nb02_model.pads_both_sides, "ex4_padding", "caller's lists padded in place", "pad_batch：不修改輸入"),
+    (nb02_model.decodes_like_without_cache, "ex5_decode", "prompt tensor grown in place (set_)", "greedy_decode：不修改輸入"),
+]
+
+
+@pytest.mark.parametrize("check, grade_id, mistake, words", CONTRACT, ids=lambda x: getattr(x, "__name__", None))
+def test_the_contract_checks_name_their_rule(check, grade_id, mistake, words):
+    with pytest.raises(AssertionError, match=re.escape(words)):
+        _run(check, _answers(grade_id, mistake))
 
 
 @pytest.mark.parametrize("check", list(CHECKS), ids=lambda f: f.__name__)

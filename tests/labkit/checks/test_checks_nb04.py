@@ -35,6 +35,20 @@ def test_every_check_of_the_module_is_tested():
     assert public == set(CHECKS), sorted(f.__qualname__ for f in public ^ set(CHECKS))
 
 
+CONTRACT = [  # (check, a mistake of the contract's classes, words of the message that names its rule)
+    (nb04.design_matrix_columns, "causal factor added as a column of the caller's df", "design_matrix：不修改輸入（df）"),
+    (nb04.fit_least_relative_error, "X divided by y in place (the caller's array)", "fit_time_model：不修改輸入（X）"),
+    (nb04.flash_bytes_by_hand, "elem_bytes ignored (bf16's 2 hard-coded)", "T_r 無條件進位"),
+]
+
+
+@pytest.mark.parametrize("check, mistake, words", CONTRACT, ids=lambda x: getattr(x, "__name__", None))
+def test_the_contract_checks_name_their_rule(check, mistake, words):
+    wrong = _answers("ex4_predictor" if check is not nb04.flash_bytes_by_hand else "ex2_flash_bytes", mistake)
+    with pytest.raises(AssertionError, match=re.escape(words)):
+        check(*(wrong[p] for p in inspect.signature(check).parameters))
+
+
 @pytest.mark.parametrize("check", list(CHECKS), ids=lambda f: f.__name__)
 def test_check_passes_the_solution_and_names_the_rule_a_mistake_breaks(check):
     answers = list(inspect.signature(check).parameters)  # a check's parameters are the answers' names

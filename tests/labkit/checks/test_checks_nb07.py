@@ -16,6 +16,8 @@ SPEC = load("nb07")
 ANSWER = {"ex1_merge": "merge_partials", "ex2_zigzag": "zigzag_chunks", "ex3_causal_work": "causal_work"}
 CHECKS = {  # check -> (grade_id, a mistake of tests/mutants/nb07.py, words of the message that names its rule)
     nb07.merge_equals_full_attention: ("ex1_merge", "plain average, no rescale", "合併的 o 等於對全部鍵的注意力"),
+    nb07.merge_keeps_the_contract: ("ex1_merge", "caller's lse1 shifted in place (.to(float64) does not copy)",
+                                    "merge_partials：不修改輸入"),
     nb07.merge_handles_empty_rows: ("ex1_merge", "-inf - -inf trap", "兩邊都沒有可見的鍵時不可出現 NaN"),
     nb07.merge_keeps_dtypes: ("ex1_merge", "o returned in o2's dtype", "o 與 o1 同 dtype"),
     nb07.merge_rounds_once: ("ex1_merge", "weighted sum of o in o's dtype (weights cast down)", "只在最後捨入一次"),
@@ -49,6 +51,13 @@ def test_check_names_the_rule_a_wrong_answer_breaks(check):
     grade_id, mistake, words = CHECKS[check]
     with pytest.raises(AssertionError, match=re.escape(words)):
         check(_answers(grade_id, mistake)[ANSWER[grade_id]])
+
+
+@pytest.mark.parametrize("mistake, words", [("o1 flattened with .view (fails on a transposed view)", "merge_partials：輸入可以是 view"),
+                                             ("zero shift made on the default device", "merge_partials：跟著輸入的裝置")])
+def test_the_contract_names_views_and_device(mistake, words):
+    with pytest.raises(AssertionError, match=re.escape(words)):
+        nb07.merge_keeps_the_contract(_answers("ex1_merge", mistake)["merge_partials"])
 
 
 def test_count_pairs_counts_the_causal_pairs_of_its_chunks():

@@ -88,6 +88,23 @@ def test_an_input_changed_in_place_is_named(qkv):
         contract.check_inputs_unchanged(scales_in_place, *qkv, name="ex")
 
 
+def test_an_input_resized_in_place_is_named_not_a_crash():
+    def grows(ids):
+        return ids.set_(torch.cat([ids, ids], dim=1))
+    with pytest.raises(AssertionError, match=r"不修改輸入.*形狀從 \(2, 3\) 變成 \(2, 6\)"):
+        contract.check_inputs_unchanged(grows, torch.arange(6).view(2, 3), name="ex")
+
+
+def test_a_cache_that_no_longer_fits_after_another_call_is_the_state_rule(qkv):
+    cache = {}
+
+    def cached(k):                                    # a weight cached by nothing: the wider call finds the wrong one
+        return cache.setdefault("w", torch.ones(k.shape[-1])) * k
+    small, wide = qkv[1], torch.randn(*qkv[1].shape[:-1], qkv[1].shape[-1] + 2)
+    with pytest.raises(AssertionError, match="不留跨呼叫的狀態.*出錯 RuntimeError"):
+        contract.check_no_state(lambda: cached(small), lambda: cached(wide), name="ex")
+
+
 def test_tensors_inside_lists_are_watched_too(qkv):
     def pops(ts):
         ts[0].zero_()
