@@ -50,7 +50,8 @@ def padded_vs_alone(model, name, full, short, side):
 
 def registers_in_both_tables(register_attention) -> str:
     """``register_attention(name, fn)`` returns name and puts fn in AttentionInterface and sdpa_mask in
-    AttentionMaskInterface under that name; returns the (fresh) name it registered."""
+    AttentionMaskInterface under that name, and a second call (another name, another fn) keeps each name's own fn (no
+    state); returns the (fresh) name it registered."""
     ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS, _, _, sdpa_mask = _hf()
     fn = hf_attention.attention_forward
     name = fresh_name("ex2_student")
@@ -219,7 +220,8 @@ PAD_HINTS = {"input_ids": "補齊的位置填 pad_id；left 把序列放在右�
 
 
 def pads_both_sides(pad_batch) -> None:
-    """[[5, 6, 7, 8], [1, 2]] padded with 9 on each side: three torch.long tensors [2, 4] as worked out by hand."""
+    """[[5, 6, 7, 8], [1, 2]] padded with 9 on each side: three torch.long tensors [2, 4] as worked out by hand, and the
+    caller's lists left unchanged."""
     for side, expected in (("right", ([[5, 6, 7, 8], [1, 2, 9, 9]], [[1, 1, 1, 1], [1, 1, 0, 0]], [[0, 1, 2, 3], [0, 1, 0, 0]])),
                            ("left", ([[5, 6, 7, 8], [9, 9, 1, 2]], [[1, 1, 1, 1], [0, 0, 1, 1]], [[0, 1, 2, 3], [0, 0, 0, 1]]))):
         seqs = [[5, 6, 7, 8], [1, 2]]
@@ -296,7 +298,7 @@ def decode_uses_kv_cache(greedy_decode, model, prompt, steps, label) -> None:
 
 
 def decodes_like_without_cache(greedy_decode) -> None:
-    """Prompt [2, 10], 8 new tokens: shape [2, 18], the tokens of decoding without a cache (eager), and with labkit's
+    """Prompt [2, 10], 8 new tokens: the prompt left unchanged, shape [2, 18], the tokens of decoding without a cache (eager), and with labkit's
     attention the same tokens through the KV cache (:func:`decode_uses_kv_cache`)."""
     model = gpt2.build_model("tiny", attn_implementation="eager")
     prompt = torch.randint(0, 255, (2, 10), generator=torch.Generator().manual_seed(5))
