@@ -9,6 +9,8 @@ from labkit.tritonlab import mode as tritonmode
 
 tritonmode.apply_default()  # before any import of triton (torch._dynamo imports it): see tritonmode
 from labkit.core import env, grading, measure, plots, profiles  # noqa: E402
+
+env.import_torch_modules_quietly()  # before a notebook's first torch.compile: see env.QUIET_IMPORTS
 from labkit.engine import attention, bench, doctor, explain, kernels, overhead  # noqa: E402
 from labkit.models import gpt2, hf_attention, hfcompat, rope  # noqa: E402
 from labkit.long import ctx as longctx, data as longdata, levers, memory as longmem  # noqa: E402

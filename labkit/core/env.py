@@ -9,6 +9,8 @@ Used in: every notebook (``lk.env.gpu_only``, ``lk.env.device_info``).
 from __future__ import annotations
 
 import platform
+import importlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -69,3 +71,17 @@ GPU_ONLY_PREFIX = "[GPU only]"
 def gpu_only(message: str) -> None:
     """Print why a cell shows less here than on a GPU, marked so ``make execute`` can list it."""
     print(f"{GPU_ONLY_PREFIX} {message}")
+
+
+# torch's own modules that warn when imported: torch.utils.mkldnn applies the deprecated torch.jit.script_method
+# (torch 2.11 and 2.13), and inductor imports it at a process's first torch.compile, so a notebook cell that compiles
+# would print fourteen DeprecationWarnings about torch's code, not the student's.
+QUIET_IMPORTS = {"torch.utils.mkldnn": r"`torch.jit.script_method` is deprecated"}
+
+
+def import_torch_modules_quietly() -> None:
+    """Import :data:`QUIET_IMPORTS` once with their known warning silenced (later imports find them loaded)."""
+    for module, message in QUIET_IMPORTS.items():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
+            importlib.import_module(module)

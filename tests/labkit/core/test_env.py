@@ -38,3 +38,16 @@ def test_device_info_and_dtypes_cuda():
     d = lk.env.supported_dtypes("cuda")
     assert d["float32"] and d["float16"] and (d["bfloat16"] or info.sm < 80)
     assert d["tf32"] == (info.sm >= 80) and d["float8_e4m3fn"] == (info.sm >= 89)
+
+
+def test_torch_compile_imports_print_no_deprecation_of_torch_code():
+    """After ``import labkit``, importing what inductor imports at the first torch.compile raises no warning (the
+    script_method one torch.utils.mkldnn gives; without labkit, the same import warns: checked as the control)."""
+    import subprocess
+    import sys
+
+    probe = "import warnings; warnings.simplefilter('error', DeprecationWarning); {first}import torch.fx.experimental.optimization"
+    with_labkit = subprocess.run([sys.executable, "-c", probe.format(first="import labkit; ")], capture_output=True, text=True)
+    assert with_labkit.returncode == 0, with_labkit.stderr[-1500:]
+    without = subprocess.run([sys.executable, "-c", probe.format(first="import torch; ")], capture_output=True, text=True)
+    assert without.returncode != 0 and "script_method" in without.stderr, "the control no longer warns: drop QUIET_IMPORTS' entry"
