@@ -42,11 +42,11 @@ def gqa_window_reference(q, k, v, causal, window, dtype=torch.float64):
 
 
 def _views_and_block_sizes(gqa, q, k, v, causal, window, want) -> None:
-    """gqa on transposed views of q, k, v (views left unchanged), then with block_m = 64, block_n = 32 after freed memory
-    is filled with NaN (rows a hard-coded BLOCK_M leaves unwritten show): both give ``want`` (o, lse)."""
+    """gqa on transposed views of q, k, v (views left unchanged), then with block_m = 64, block_n = 32 with new tensors
+    starting as NaN (rows a hard-coded BLOCK_M leaves unwritten show): both give ``want`` (o, lse)."""
     contract.check_views_once(gqa, q, k, v, name="attention_gqa_window", want=want, is_causal=causal, window=window)
-    grading.fill_freed_memory(q)                                      # rows left unwritten read NaN
-    o_b, lse_b = gqa(q, k, v, is_causal=causal, window=window, block_m=64, block_n=32)
+    with contract.new_memory_reads_nan():                             # rows left unwritten read NaN
+        o_b, lse_b = gqa(q, k, v, is_causal=causal, window=window, block_m=64, block_n=32)
     for what, got, right in zip(("o", "lse"), (o_b, lse_b), want):
         grading.check_tensor(got, right, atol=1e-5,
                              name=f"attention_gqa_window: block_m = 64, block_n = 32 (N = {q.shape[-2]}): {what}",

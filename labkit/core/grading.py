@@ -66,16 +66,6 @@ def _shown(x) -> str:
     return f"{int(x):,}" if float(x).is_integer() and abs(x) < 2**63 else f"{float(x):.6g}"
 
 
-def fill_freed_memory(*like: torch.Tensor, copies: int = 4) -> None:
-    """Fill and free buffers of ``like``'s sizes with NaN, so that an output an answer takes from
-    ``torch.empty`` and leaves partly unwritten reads NaN there, not a stale copy of right values.
-
-    Used in: 09_flex_attention (a launch grid that misses blocks leaves rows unwritten).
-    """
-    junk = [torch.full_like(t, float("nan")) for t in like for _ in range(copies)]
-    del junk
-
-
 def check_within_2x(actual, reference: torch.Tensor, baseline: torch.Tensor, *, name: str, rule: str,
                     hint: str = "", floor: float = 0.0) -> None:
     """The course's 2x rule: max|actual - reference| <= 2 * max|baseline - reference| (+ ``floor``).
