@@ -90,8 +90,8 @@ def works_on_views(FlashAttention2) -> None:
     def o_and_grads(q, k, v, do):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         try:
-            o = FlashAttention2.apply(q, k, v, True)
-            return (o, *torch.autograd.grad(o, (q, k, v), do))
+            out = FlashAttention2.apply(q, k, v, True)
+            return (out, *torch.autograd.grad(out, (q, k, v), do))
         except RuntimeError as error:
             grading.check_true(False, name=f"{name}：輸入可以是 view", detail=(
                 f"q、k、v 的 stride {[t.stride() for t in (q, k, v)]} 時出錯：{str(error)[:200]}"),
@@ -109,14 +109,14 @@ def causal_bottom_right(FlashAttention2) -> None:
     for n, nk in ((24, 70), (70, 24)):
         q = torch.randn(1, 2, n, 8, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(1, 2, nk, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
-        o = FlashAttention2.apply(q, k, v, True)   # is_causal: apply takes its arguments by position
+        o_fn = FlashAttention2.apply(q, k, v, True)   # is_causal: apply takes its arguments by position
         o_ref, _ = attention.reference_attention(q, k, v, causal=True)
-        grading.check_true(o.dtype == torch.float64, name=f"FlashAttention2: float64 o, N={n}, Nk={nk}",
-                           detail=f"float64 輸入時 o 應為 float64，卻是 {o.dtype}。")
-        grading.check_tensor(o, o_ref, name=f"FlashAttention2: causal N={n}, Nk={nk}, o", atol=1e-10,
+        grading.check_true(o_fn.dtype == torch.float64, name=f"FlashAttention2: float64 o, N={n}, Nk={nk}",
+                           detail=f"float64 輸入時 o 應為 float64，卻是 {o_fn.dtype}。")
+        grading.check_tensor(o_fn, o_ref, name=f"FlashAttention2: causal N={n}, Nk={nk}, o", atol=1e-10,
                              hint="因果規則對齊右下角：query i 看得到 key j 的條件是 j <= i + (Nk - N)；Nk < N 時前 N - Nk 個 query 看不到任何 key（o = 0）。")
-        grad_o = torch.randn_like(o)
-        for name, g, e in zip(GRADS, torch.autograd.grad(o, (q, k, v), grad_o), torch.autograd.grad(o_ref, (q, k, v), grad_o)):
+        grad_o = torch.randn_like(o_fn)
+        for name, g, e in zip(GRADS, torch.autograd.grad(o_fn, (q, k, v), grad_o), torch.autograd.grad(o_ref, (q, k, v), grad_o)):
             grading.check_tensor(g, e, name=f"FlashAttention2: causal N={n}, Nk={nk}, {name} (float64)", atol=1e-10,
                                  hint="前向與反向都要用同一個 is_causal；float64 輸入不要轉成 fp32。")
 

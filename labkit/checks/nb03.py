@@ -168,7 +168,7 @@ def ce_keeps_the_contract(ce) -> None:
     """float64 hidden [2, 12, 8], weight [20, 8], targets [2, 12], chunks of 5 (lk.checks.contract): no input changed,
     the same loss when any of the three comes as a transposed or sliced view (weight as rows of a wider buffer, as a
     tied, padded embedding holds it), and on the "meta" device a loss on that device (forward only)."""
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(40)
     hidden, weight = torch.randn(2, 12, 8, generator=gen, dtype=torch.float64), torch.randn(20, 8, generator=gen, dtype=torch.float64)
     targets = torch.randint(0, 20, (2, 12), generator=gen)
     contract.check_contract(ce, hidden, weight, targets, name="chunked_cross_entropy", meta=True, chunk_size=5)
