@@ -194,7 +194,7 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
           target_ms: float = 30.0, dense_limit: int = 16384, also: dict[str, Callable] | None = None,
           progress: bool = True, device: str = "cuda") -> pd.DataFrame:
     """Forward (and forward+backward) per backend, head size, N and mask: a tidy DataFrame
-    (d, N, mask, density, backend, pass, ms, first_call_s, status).
+    (d, N, mask, density, backend, pass, ms, p20_ms, p80_ms, first_call_s, status); ms is the median call.
 
     Args:
         cases: dicts with ``name``; ``rule(N) -> mask_mod``; ``kind`` ("causal", "window" or "document");
@@ -241,7 +241,8 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
                 for (name, p), (status, seconds) in first.items():
                     t = timings.get((name, p))
                     rows.append(dict(d=hd, N=N, mask=case["name"], density=density, backend=name, **{"pass": p},
-                                     ms=t.median_ms if t else float("nan"), first_call_s=seconds,
+                                     ms=t.median_ms if t else float("nan"), p20_ms=t.p20_ms if t else float("nan"),
+                                     p80_ms=t.p80_ms if t else float("nan"), first_call_s=seconds,
                                      status=status if (name, p) not in errors else f"timing: {errors[(name, p)]}"))
                 del bm, calls, ok, lists
                 measure.free_memory()
@@ -260,6 +261,16 @@ def ratios(df: pd.DataFrame, others=("flex_triton", "flex_flash")) -> pd.DataFra
             if (p, other) in t and (p, "mine") in t:
                 out[f"{other} / mine {p}"] = t[(p, other)] / t[(p, "mine")]
     return pd.DataFrame(out)
+
+
+def variant_cost(df: pd.DataFrame, variant: str, base: str = "mine", pass_: str = "fwd") -> pd.DataFrame:
+    """Per (d, N, mask): what ``variant`` adds to ``base``'s time, ``extra`` = median / median - 1, with the range the
+    timings' spread allows: ``low`` = variant's p20 / base's p80 - 1, ``high`` = variant's p80 / base's p20 - 1."""
+    ok = df[(df["status"] == "ok") & (df["pass"] == pass_) & df["backend"].isin([variant, base])]
+    t = ok.pivot_table(index=["d", "N", "mask"], columns="backend", values=["ms", "p20_ms", "p80_ms"]).dropna()
+    return pd.DataFrame({"extra": t[("ms", variant)] / t[("ms", base)] - 1,
+                         "low": t[("p20_ms", variant)] / t[("p80_ms", base)] - 1,
+                         "high": t[("p80_ms", variant)] / t[("p20_ms", base)] - 1})
 
 
 def density_speedup(df: pd.DataFrame, dense: str, sparse: str, backend: str = "mine") -> pd.DataFrame:

@@ -86,3 +86,17 @@ def test_window_mask_and_reference_follow_the_conventions():
     o2, lse2 = nb06.attention64(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), True)
     assert o.dtype == torch.float64 and torch.allclose(o, o2) and torch.allclose(lse, lse2)
     assert nb06_window.window_loads(32, 32, 32, 16, True, 0, 16) == 32 * 16 + 2 * 16 * 16 * 2
+
+
+def test_largest_new_tensor_counts_the_answers_tensors_not_triton_own():
+    """On a GPU, @triton.autotune times its configurations at the first call with a 256 MiB L2-flush buffer made by
+    Triton's code: not the answer's tensor (it failed 06's 'no [..., N, N_k] tensor' checks on an H100)."""
+    made_by_triton = {"__name__": "triton.testing", "torch": torch}
+    exec("def flush():\n    return torch.empty(1 << 20)", made_by_triton)
+    with nb06.LargestNewTensor() as created:
+        made_by_triton["flush"]()
+        torch.zeros(3, 5)
+    assert created.largest == 15
+    with nb06.LargestNewTensor() as created:
+        torch.empty(1 << 20)
+    assert created.largest == 1 << 20

@@ -86,6 +86,17 @@ def test_ratios_and_density_speedup_read_the_sweep_per_pass():
                                                           "density ratio": 10.0})
 
 
+def test_variant_cost_gives_the_median_extra_and_the_range_the_spread_allows():
+    df = sweep_rows([(128, 8192, "causal", 0.5, "mine", "fwd", 1.00), (128, 8192, "causal", 0.5, "mine_sink", "fwd", 1.06),
+                     (128, 8192, "causal", 0.5, "mine", "fwd+bwd", 4.0)])
+    df["p20_ms"] = df["ms"] * 0.98
+    df["p80_ms"] = df["ms"] * 1.02
+    cost = flexbench.variant_cost(df, "mine_sink").loc[(128, 8192, "causal")]
+    assert cost["extra"] == pytest.approx(0.06)
+    assert cost["low"] == pytest.approx(1.06 * 0.98 / 1.02 - 1) and cost["high"] == pytest.approx(1.06 * 1.02 / 0.98 - 1)
+    assert cost["low"] < 0.05 < cost["extra"]   # a median past a +5% goal whose spread still reaches under it
+
+
 def test_calls_time_both_passes_and_refused_backends_become_a_status():
     """On a CPU: every backend gets a fwd and a fwd+bwd call; SDPA's fwd+bwd gives autograd's gradients."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -156,6 +167,7 @@ def test_sweep_on_a_cpu_gives_a_row_per_backend_and_pass_with_a_status(monkeypat
                          target_ms=1, dense_limit=256, progress=False, device="cpu")   # two blocks of 128
     assert set(df["pass"]) == set(flexbench.PASSES) and set(df["mask"]) == {"causal", "2 documents"}
     ok = df[df["status"] == "ok"]
+    assert (ok["p20_ms"] <= ok["ms"]).all() and (ok["ms"] <= ok["p80_ms"]).all()
     assert {("mine", "fwd"), ("mine", "fwd+bwd"), ("sdpa_mask", "fwd+bwd"), ("flex_triton", "fwd")} <= set(
         zip(ok["backend"], ok["pass"])) and (ok["ms"] > 0).all()
     flex_bwd = df[(df["backend"] == "flex_triton") & (df["pass"] == "fwd+bwd")]["status"]
