@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 
 
 def pytest_configure(config):
-    """Kernels started by this run (nbval's solution notebooks, nbgrader's autograde) are guarded.
+    """Kernels started by this run (nbgrader's autograde, which executes every solution notebook) are guarded.
 
     They inherit IPYTHONDIR, whose startup file installs labkit.course.runguard: a network access or a
     DeprecationWarning/FutureWarning from torch, transformers, labkit or the notebook fails the cell.
@@ -48,15 +48,15 @@ def pytest_collection_modifyitems(config, items):
 # two workers end together instead of one starting a long unit after the other ran out of work. Measured on the
 # 2-core CI machine; a unit not listed starts after these, the larger ones (more items) first.
 SLOWEST_FIRST = ("tests/course/test_grader_strength.py::nb06", "tests/course/test_grader_strength.py::nb09",
-                 "solutions/06_", "solutions/09_", "tests/course/test_notebooks.py",
+                 "tests/course/test_notebooks.py",
                  "tests/course/test_grader_strength.py::nb08", "tests/course/test_grading_robustness.py",
                  "tests/course/test_nbgrader_term.py", "tests/labkit/board/test_board.py")
 
 
 def work_unit(nodeid: str) -> str:
-    """The unit an item runs in: its file (a notebook's nbval cells share one kernel, a module's fixtures are built
-    once), except that test_grader_strength.py splits by notebook (``...::nb06``: each notebook graded once, on one
-    worker), so that its slowest notebooks run on both workers."""
+    """The unit an item runs in: its file (a module's fixtures are built once), except that test_grader_strength.py
+    splits by notebook (``...::nb06``: each notebook graded once, on one worker), so that its slowest notebooks run
+    on both workers."""
     file, _, rest = nodeid.partition("::")
     notebook = re.search(r"\[(nb\d\d)\]$", rest)
     return f"{file}::{notebook.group(1)}" if file.endswith("test_grader_strength.py") and notebook else file

@@ -18,7 +18,7 @@ violation prints a line starting with :data:`REPORT_PREFIX` to stderr; the warne
 a network call fails with ``ConnectionRefusedError``, as it would offline. Warnings raised inside
 other packages (Jupyter's own machinery, say) pass through untouched.
 
-Used in: ``labkit.course`` (``make test`` through nbval, ``make execute``).
+Used in: ``labkit.course`` (``make test`` through nbgrader's autograde, ``make execute``).
 """
 from __future__ import annotations
 

@@ -3,11 +3,12 @@
 One JupyterLab server, started with the command ``make lab`` runs (asked of make with ``make -n``, so
 as root it carries ``--allow-root``), on a copy of ``notebooks/`` (throw-away HOME / config / runtime
 dirs, 127.0.0.1, random token, checkpoints outside the tree), and one headless Chromium, driven over
-the DevTools protocol. The server must list every notebook. For each notebook the test waits until
-JupyterLab has drawn its cells, then checks the DOM (cell count, the Chinese title) and a screenshot
-(not a blank page); then, with autosave on every few seconds, it waits for the kernel and for autosave,
-and checks that merely opening the notebook left its file and folder as they were. A control notebook
-with incomplete kernel metadata shows that autosave did run in that time, and what JupyterLab writes.
+the DevTools protocol. The server must list every notebook. Every notebook is opened in a tab of its own, in turn:
+the test waits until JupyterLab has drawn its cells, then checks the DOM (cell count, the Chinese title) and a
+screenshot (not a blank page); then, with autosave on every few seconds and every tab still open, it waits once for
+all the kernels and for autosave, and checks that merely opening each notebook left its file and folder as they
+were. A control notebook with incomplete kernel metadata, opened with them, shows that autosave did run in that
+time, and what JupyterLab writes.
 
 The server and the browser come from tests/support/headless_browser.py (shared with test_formgrader.py).
 The browser tests skip where no Chromium is installed (``.ci/run`` installs Debian's ``chromium``).
@@ -16,6 +17,7 @@ rather than boxes; look at the saved screenshots (paths are printed, ``pytest -s
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from headless_browser import (READY_TIMEOUT, assert_drawn, chromium, get_json, jupyter_server,  # noqa: F401
@@ -87,38 +90,45 @@ PROBE = """(() => {
 })()"""
 
 
-def wait_kernel_then_autosave(base: str, token: str, rel: str) -> None:
-    """Wait until the notebook's kernel is idle (its kernel_info is in), then for autosave to have run."""
+def wait_kernels_then_autosave(base: str, token: str, rels: list[str]) -> None:
+    """Wait until the kernel of every notebook in ``rels`` is idle (its kernel_info is in), then for autosave to run."""
     deadline = time.monotonic() + READY_TIMEOUT
-    while not any(s["path"] == rel and s["kernel"]["execution_state"] == "idle"
-                  for s in get_json(f"{base}/api/sessions?token={token}")):
+    while True:
+        idle = {s["path"] for s in get_json(f"{base}/api/sessions?token={token}")
+                if s["kernel"]["execution_state"] == "idle"}
+        waiting = sorted(set(rels) - idle)
+        if not waiting:
+            break
         if time.monotonic() > deadline:
-            pytest.fail(f"the kernel of {rel} did not start in {READY_TIMEOUT} s")
+            pytest.fail(f"the kernels of {waiting} did not start in {READY_TIMEOUT} s")
         time.sleep(0.5)
     time.sleep(AUTOSAVE_WAIT)
 
 
-def open_in_lab(lab, chromium, path: Path) -> tuple[dict, bytes]:
-    """Open ``path`` (under the served root) in JupyterLab; wait for it to render, for its kernel and autosave.
-
-    Returns the page probe and a screenshot (PNG bytes); the kernel is shut down afterwards.
-    """
+def open_all_in_lab(lab, chromium, paths: list[Path]) -> dict[Path, tuple[dict, bytes]]:
+    """Open every notebook of ``paths`` (under the served root) in JupyterLab, a tab each, left open: each is drawn
+    and pictured in turn, then all wait together for their kernels and for autosave (one wait, not one per notebook:
+    most of these tests' time was waiting). Returns {path: (the page probe, a screenshot as PNG bytes)}; the kernels
+    are shut down afterwards."""
     base, token, served, _ = lab
-    nb = json.loads(path.read_bytes())
-    rel, title, n_cells = path.relative_to(served).as_posix(), notebook_title(nb), len(nb["cells"])
-    # A workspace per notebook, so tabs restored from an earlier notebook do not open too.
-    url = f"{base}/lab/workspaces/test-{path.stem}/tree/{rel}?token={token}"
+    seen = {}
     try:
-        with open_page(chromium, url) as page:
-            state = page.wait_for(PROBE, lambda s: s.get("cells", 0) >= n_cells and title in s.get("text", "")
-                                  and s.get("fonts") == "loaded" and not s.get("spinner"))
-            time.sleep(1.0)  # let MathJax and the layout settle before the picture
-            png = page.screenshot()
-            wait_kernel_then_autosave(base, token, rel)
+        with contextlib.ExitStack() as tabs:
+            for path in paths:
+                nb = json.loads(path.read_bytes())
+                title, n_cells = notebook_title(nb), len(nb["cells"])
+                # A workspace per notebook, so tabs restored from an earlier notebook do not open too.
+                url = f"{base}/lab/workspaces/test-{path.stem}/tree/{path.relative_to(served).as_posix()}?token={token}"
+                page = tabs.enter_context(open_page(chromium, url))
+                state = page.wait_for(PROBE, lambda s: s.get("cells", 0) >= n_cells and title in s.get("text", "")
+                                      and s.get("fonts") == "loaded" and not s.get("spinner"))
+                time.sleep(1.0)  # let MathJax and the layout settle before the picture
+                seen[path] = (state, page.screenshot())
+            wait_kernels_then_autosave(base, token, [p.relative_to(served).as_posix() for p in paths])
     finally:
-        for session in get_json(f"{base}/api/sessions?token={token}"):  # shut the kernel down
+        for session in get_json(f"{base}/api/sessions?token={token}"):  # shut the kernels down
             get_json(f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE")
-    return state, png
+    return seen
 
 
 def listed_notebooks(base: str, token: str, folder: str = "") -> list[str]:
@@ -139,33 +149,41 @@ def test_make_lab_serves_every_student_notebook(lab):
     assert listed_notebooks(base, token) == [p.relative_to(ROOT / "notebooks").as_posix() for p in NOTEBOOKS]
 
 
-def test_autosave_rewrites_incomplete_kernel_metadata(lab, chromium):
-    """Control: a notebook with incomplete language_info is saved with the kernel's, in the time the test waits."""
+@pytest.fixture(scope="module")
+def opened(lab, chromium):
+    """Every student notebook and a control notebook with incomplete language_info, opened together: the control's
+    file as autosave left it, and per notebook (its bytes, mtime and folder before opening, probe, screenshot)."""
     served = lab[2]
-    nb = json.loads(NOTEBOOKS[0].read_bytes())
-    nb["metadata"]["language_info"] = {"name": "python"}
-    path = served / "control-incomplete-metadata.ipynb"
-    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+    paths = [served / p.relative_to(ROOT / "notebooks") for p in NOTEBOOKS]
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns, sorted(q.name for q in p.parent.iterdir())) for p in paths}
+    control = json.loads(NOTEBOOKS[0].read_bytes())
+    control["metadata"]["language_info"] = {"name": "python"}
+    control_path = served / "control-incomplete-metadata.ipynb"
+    control_path.write_text(json.dumps(control, indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
     try:
-        open_in_lab(lab, chromium, path)
-        saved = json.loads(path.read_bytes())
+        seen = open_all_in_lab(lab, chromium, [control_path, *paths])
+        saved = json.loads(control_path.read_bytes())
     finally:
-        path.unlink()  # the served tree holds the course's notebooks only
+        control_path.unlink()  # the served tree holds the course's notebooks only
+    return SimpleNamespace(control=control, saved=saved,
+                           notebooks={p.stem: (p, *before[p], *seen[p]) for p in paths})
+
+
+def test_autosave_rewrites_incomplete_kernel_metadata(opened):
+    """Control: a notebook with incomplete language_info is saved with the kernel's, in the time the test waits."""
     from ipykernel.ipkernel import IPythonKernel  # the kernel_info reply's language_info
 
-    assert saved["metadata"]["language_info"] == IPythonKernel.language_info, "autosave did not run in time"
-    assert saved["cells"] == nb["cells"] and saved["metadata"]["kernelspec"] == nb["metadata"]["kernelspec"]
+    assert opened.saved["metadata"]["language_info"] == IPythonKernel.language_info, "autosave did not run in time"
+    assert opened.saved["cells"] == opened.control["cells"]
+    assert opened.saved["metadata"]["kernelspec"] == opened.control["metadata"]["kernelspec"]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_renders_in_jupyterlab(path, lab, chromium, tmp_path):
-    served, checkpoints = lab[2], lab[3]
-    path = served / path.relative_to(ROOT / "notebooks")
-    nb_bytes, mtime = path.read_bytes(), path.stat().st_mtime_ns
+@pytest.mark.parametrize("name", [p.stem for p in NOTEBOOKS])
+def test_notebook_renders_in_jupyterlab(name, opened, lab, tmp_path):
+    checkpoints = lab[3]
+    path, nb_bytes, mtime, folder_before, state, png = opened.notebooks[name]
     nb = json.loads(nb_bytes)
     title, n_cells = notebook_title(nb), len(nb["cells"])
-    folder_before = sorted(p.name for p in path.parent.iterdir())
-    state, png = open_in_lab(lab, chromium, path)
     shot = tmp_path / f"{path.stem}.png"
     shot.write_bytes(png)
     print(f"screenshot: {shot}")

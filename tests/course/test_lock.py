@@ -3,7 +3,7 @@
 ``make test`` sets ``LABKIT_LOCK`` to the lock it installed from; ``make test-latest`` sets it empty
 (the newest versions pyproject allows, on purpose unlocked), and these checks of the installed
 versions skip there. Deprecated APIs under the locked versions are the run guard's job
-(tests/labkit/course/test_runguard.py and every notebook run through nbval).
+(tests/labkit/course/test_runguard.py and every solution notebook, executed by the autograde round trip).
 """
 from __future__ import annotations
 

@@ -46,6 +46,21 @@ class Exercise:
         """The test cell as students see it: the hidden block removed (as nbgrader does)."""
         return HIDDEN.sub("", self.tests)
 
+    @property
+    def hidden_then_rest(self) -> str | None:
+        """What the whole cell runs after its visible checks, for a cell that is visible checks, then the hidden block,
+        then lines that students see too (``lk.grading.passed(...)``): the hidden block and those lines. None for a cell
+        laid out otherwise (then the whole cell is run again)."""
+        found = list(HIDDEN.finditer(self.tests))
+        if len(found) != 1:
+            return None
+        rest = self.tests[found[0].start():]
+        try:
+            compile(rest, "<hidden>", "exec")
+        except SyntaxError:   # the block sits inside an indented statement: it cannot run on its own
+            return None
+        return rest
+
     def mutate(self, old: str, new: str) -> str:
         """The answer with ``old`` replaced by ``new``; ``old`` must occur exactly once."""
         count = self.answer.count(old)
@@ -98,14 +113,16 @@ class NotebookRunner:
 
         The solution's answer is executed again afterwards, so later exercises see the right code.
 
-        The visible part runs first; the full cell runs only when it passes (a visible check that fails
-        fails the full cell too: the cells seed their own inputs).
+        The visible part runs first; only when it passes do the hidden tests run, in the namespace the visible
+        part left, as they do in the whole cell (which runs the visible checks once, not again: the cost of grader
+        strength is in those checks). A cell whose hidden block cannot run on its own is run whole again.
         """
         try:
             self.run(answer)
             if self.fails(exercise.visible):
                 return "visible"
-            return "hidden" if self.fails(exercise.tests) else "passed"
+            rest = exercise.hidden_then_rest
+            return "hidden" if self.fails(exercise.tests if rest is None else rest) else "passed"
         finally:
             self.run(exercise.answer)
 

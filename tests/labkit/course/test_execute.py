@@ -129,18 +129,22 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_nbval_kernels_of_the_test_command_are_guarded(tmp_path):
-    """tests/conftest.py guards the kernels `make test` starts: a notebook's FutureWarning fails it."""
-    import subprocess
-    import sys
+def test_autograde_kernels_of_the_test_command_are_guarded(tmp_path):
+    """tests/conftest.py guards the kernels `make test` starts, nbgrader's autograde included (it executes every
+    solution notebook as a perfect submission): a cell's FutureWarning fails that cell."""
+    from nbgrader_course import make_course, perfect_submission, run_nbgrader, submit
+    from tiny_assignment import ASSIGNMENT, source_notebook
 
-    cells = [new_code_cell("print('fine')"), new_code_cell("import warnings\nwarnings.warn('old API', FutureWarning)")]
-    nbformat.write(new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                                       "language": "python"}}), tmp_path / "nb.ipynb")
-    root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           str(root / "tests" / "labkit" / "core" / "test_profiles.py"), "-k", "not gpu", str(tmp_path / "nb.ipynb"),
-                           "--nbval-lax", "--nbval-current-env"], cwd=root, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode != 0 and "RunGuardViolation" in proc.stdout and "old API" in proc.stdout
-    assert "1 failed" in proc.stdout, proc.stdout[-2000:]
+    source = source_notebook()
+    warns = dict(source["cells"][1], id="warns", metadata={},
+                 source="import warnings\nwarnings.warn('old API', FutureWarning)")
+    source["cells"].insert(2, warns)
+    course = make_course(tmp_path, ASSIGNMENT, source)
+    run_nbgrader(course, "generate_assignment", ASSIGNMENT)
+    release = json.loads((course / "notebooks" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text(encoding="utf-8"))
+    submit(course, "perfect", ASSIGNMENT, perfect_submission(release, source))
+    run_nbgrader(course, "autograde", ASSIGNMENT)
+    graded = json.loads((course / "autograded" / "perfect" / ASSIGNMENT / f"{ASSIGNMENT}.ipynb").read_text("utf-8"))
+    errors = [o for c in graded["cells"] if c.get("id") == "warns" for o in c.get("outputs", [])
+              if o["output_type"] == "error"]
+    assert errors and errors[0]["ename"] == "RunGuardViolation" and "old API" in errors[0]["evalue"], errors
