@@ -22,8 +22,10 @@ after its cells: the runtime under the students' limits, before any student runs
    :func:`labkit.core.grading.check_own_code` (no labkit, SDPA or softmax) and :func:`library_reached` (no flash-attn,
    FlashInfer, xFormers, flex attention or SDPA's kernel ops) (-> ``flagged``); a tiny call of each
    must launch a Triton kernel defined in the notebook (:func:`labkit.tritonlab.mode.launches`, -> ``flagged``).
-5. The assignment's check on fresh inputs (:mod:`labkit.board.specs`, AssertionError -> ``wrong``), then,
-   on a GPU, its timing, which re-checks the timed calls' results (-> ``wrong``); the snapshot once more.
+5. The assignment's check on fresh inputs (:mod:`labkit.board.specs`, AssertionError -> ``wrong``), its graded
+   calls watched (:mod:`labkit.board.runs`: a library softmax or attention operator or a torch matrix product run,
+   however it was looked up, or no kernel of the notebook launched -> ``flagged``), then, on a GPU, its timing,
+   which re-checks the timed calls' results (-> ``wrong``); the snapshot once more.
 
 Used by: :mod:`labkit.board.rank`.
 """
@@ -144,6 +146,7 @@ def library_reached(fn) -> str | None:
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
     from labkit.core import grading
     from labkit.tritonlab import mode as tritonmode
+    from labkit.board import runs
     from labkit.board.specs import forbidden
 
     missing = [name for name in spec.graded if name not in ns]
@@ -165,7 +168,10 @@ def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> di
     if (changed := _tampered(before)):
         raise Verdict("flagged", changed)
     try:
-        spec.check(ns, job["seed"], device)
+        with runs.watch(ns, spec.graded) as calls:
+            spec.check(ns, job["seed"], device)
+        if (why := runs.verdict(calls)):
+            raise Verdict("flagged", why)
         timing = spec.time(ns, job["seed"], device, job.get("target_ms", 30.0)) if job.get("time") else None
     except AssertionError as err:
         raise Verdict("wrong", str(err).splitlines()[0][:300]) from None

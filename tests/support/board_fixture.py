@@ -7,6 +7,9 @@ nbgrader's layout, ``ROOT/<student>/<assignment>/<assignment>.ipynb``. Each vari
   calls ``F.scaled_dot_product_attention`` (09: ``flex_attention``); ``pytorch``: the forward in plain PyTorch
   (no Triton kernel launched); ``error``: an answer cell raises (NameError); ``timeout``: an answer cell sleeps
   past any limit.
+- Cheats that name nothing the name checks know, 08's ``decode_split``: ``lookup`` reaches SDPA through names
+  built at run time, ``matmul`` computes o with torch.matmul and a hand softmax (both while the notebook's kernel
+  still launches), ``small`` launches the kernel only for inputs as small as the board's tiny call.
 - Weaker, still right, for the GPU ranking: 08 ``nosplit`` (decode_split and paged_decode launch one split),
   06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them) and ``smalltiles``
   (the forward tries one small tile, 32 x 16, instead of its tuned list), 09 ``dense``
@@ -24,6 +27,35 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# 08's cheats that the name checks miss (issue: the board judged by what runs): decode_split's last two lines, and
+# replacements that keep the notebook's kernel launching but return another computation's o.
+_DECODE_RETURN = ("    o_part, lse_part, _ = split_kv_partials(q, k, v, seqlens, num_splits, max_len=max_len)\n"
+                  "    return combine_partials(o_part, lse_part, q.dtype)\n")
+_KERNEL_RUNS = ("    o_part, lse_part, _ = split_kv_partials(q, k, v, seqlens, num_splits, max_len=max_len)\n"
+                "    _, lse = combine_partials(o_part, lse_part, q.dtype)   # the kernel still launches\n")
+_SDPA_BY_BUILT_NAME = (
+    "    import importlib\n"
+    "    attend = getattr(importlib.import_module('torch.nn.' + 'functional'), 'scaled_dot_' + 'product_attention')\n"
+    "    keep = torch.arange(k.shape[1], device=q.device)[None, :] < seqlens[:, None]\n"
+    "    o = attend(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :],\n"
+    "               enable_gqa=True)[:, :, 0]\n"
+    "    return o.to(q.dtype), lse\n")
+
+
+def _hand_attention(products: str) -> str:
+    """decode_split's o and lse in plain torch, the scores and o by torch.matmul or by broadcast sums ("sum")."""
+    if products == "sum":
+        scores, out = "(kr * q.float()[:, :, None, :]).sum(-1)", "((p / l)[..., None] * vr).sum(-2)"
+    else:
+        scores, out = f"{products}(kr, q.float()[..., None])[..., 0]", f"{products}((p / l)[:, :, None, :], vr)[:, :, 0]"
+    return ("    g = q.shape[1] // k.shape[2]\n"
+            "    kr, vr = (t.repeat_interleave(g, dim=2).transpose(1, 2).float() for t in (k, v))   # [B, H_q, N, d]\n"
+            f"    s = {scores} * q.shape[-1] ** -0.5\n"
+            "    s = s.masked_fill(torch.arange(k.shape[1], device=q.device) >= seqlens[:, None, None], float('-inf'))\n"
+            "    m = s.amax(-1, keepdim=True)\n    p = (s - m).exp()\n    l = p.sum(-1, keepdim=True)\n"
+            f"    return {out}.to(q.dtype), (m + l.log())[..., 0]\n")
+
+
 VARIANTS = {
     "08_decode_attention": {
         "ok": [],
@@ -36,6 +68,10 @@ VARIANTS = {
         "error": [("def chunk_size(max_len, num_splits, block):\n",
                    "BLOCK_SPLIT = block_size_for(64)\n\n\ndef chunk_size(max_len, num_splits, block):\n")],
         "timeout": [("class PageAllocator:\n", "import time\n\ntime.sleep(10_000)\n\n\nclass PageAllocator:\n")],
+        "lookup": [(_DECODE_RETURN, _KERNEL_RUNS + _SDPA_BY_BUILT_NAME)],
+        "matmul": [(_DECODE_RETURN, _KERNEL_RUNS + _hand_attention("torch.matmul"))],
+        "small": [(_DECODE_RETURN, "    if k.shape[1] <= 64:   # the board's tiny call: the kernel\n"
+                                   + _DECODE_RETURN.replace("    ", "        ", 2) + _hand_attention("sum"))],
         "nosplit": [("        num_splits = launch_splits(q.shape[0], k.shape[2], max_len, BLOCK_N)\n",
                      "        num_splits = 1\n"),
                     ("        num_splits = launch_splits(q.shape[0], k_pages.shape[2], max_len, page_size)\n",
@@ -69,7 +105,7 @@ VARIANTS = {
                    "    kv_idx = torch.arange(n_k, device=q.device, dtype=torch.int32).repeat(n_q, 1).contiguous()\n")],
     },
 }
-GPU_STUDENTS = {"08_decode_attention": ["ok", "nosplit", "wrong", "flagged"],
+GPU_STUDENTS = {"08_decode_attention": ["ok", "nosplit", "wrong", "flagged", "lookup", "matmul", "small"],
                 "06_triton_flashattention": ["ok", "noskip", "smalltiles", "flagged"],
                 "09_flex_attention": ["ok", "dense", "wrong", "flagged"]}
 

@@ -16,8 +16,10 @@ import pytest
 from board_fixture import ROOT, variant, write_submitted
 from labkit.board import rank as board, report as boardreport, specs as boardshapes
 
-LIMIT = 60   # s per student, the sleeper's cost: an ok worker took 18 s beside 8 others on 2 cores with 2 more busy
-STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "timeout", "tamper"],
+LIMIT = 90   # s per student, the sleeper's cost: the 16 students run at once on CI's 2 cores; beside other work,
+#              one of them once passed 60 s (an ok worker alone takes about 18 s)
+CHEATS = ("lookup", "matmul", "small")   # 08's decode_split: SDPA by a built name, torch.matmul, a kernel for small inputs
+STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "timeout", "tamper", *CHEATS],
             "06_triton_flashattention": ["ok", "wrong", "flagged", "pytorch"],
             "09_flex_attention": ["ok", "wrong", "flagged"]}
 LIBRARY = {"08_decode_attention": "scaled_dot_product_attention",
@@ -47,7 +49,7 @@ def boards(tmp_path_factory):
 @pytest.mark.parametrize("assignment", list(STUDENTS))
 def test_each_submission_gets_its_status(boards, assignment):
     table, out = boards[assignment]
-    expected = {s: ("flagged" if s in ("tamper", "pytorch") else s) for s in STUDENTS[assignment]}
+    expected = {s: ("flagged" if s in ("tamper", "pytorch", *CHEATS) else s) for s in STUDENTS[assignment]}
     assert table["status"].to_dict() == expected, table[["status", "detail"]].to_string()
     assert table.loc["ok", "detail"] == ""
     assert LIBRARY[assignment] in table.loc["flagged", "detail"]
@@ -74,6 +76,15 @@ def test_08_statuses_name_their_cause(boards):
     assert f"{LIMIT} s" in table.loc["timeout", "detail"]
     assert "labkit.core.measure.time_interleaved" in table.loc["tamper", "detail"]
     assert "lens=" in table.loc["wrong", "detail"], "the wrong answer is named with the shape that showed it"
+
+
+def test_08_cheats_are_flagged_by_what_their_calls_ran(boards):
+    """Names built at run time, torch.matmul with a hand softmax, a kernel launched only for the tiny call: the name
+    checks see none of them; what the board's check ran does (labkit.board.runs)."""
+    detail = boards["08_decode_attention"][0]["detail"]
+    assert "decode_split ran " in detail["lookup"] and "softmax or attention" in detail["lookup"], detail["lookup"]
+    assert "decode_split ran torch's " in detail["matmul"] and "matrix products" in detail["matmul"], detail["matmul"]
+    assert "decode_split launched none of the notebook's own Triton kernels on the board's inputs" in detail["small"]
 
 
 def test_08_each_log_holds_its_own_run(boards):
