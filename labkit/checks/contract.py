@@ -189,7 +189,8 @@ def check_no_state(call: Callable[[], object], other: Callable[[], object], *, n
                                                                                            attempt(other))
     diffs = (error_again or _differs(again, first, atol),
              error_other or error_again_other or _differs(again_other, first_other, atol))
-    hint = "設定要放在區域變數或 ctx（ctx.causal = causal），不要存在 class、全域變數或只以部分參數為鍵的快取裡。"
+    hint = ("設定要放在區域變數或 ctx（ctx.causal = causal），不要存在 class、全域變數或只以部分參數為鍵的快取裡；"
+            "輸出每次呼叫都新配置，不要重用快取起來的張量（下一次呼叫會覆寫上一次的答案）。")
     for what, diff in zip(("同一個呼叫", "另一個設定的呼叫"), diffs):
         grading.check_true(not diff, name=f"{name}：不留跨呼叫的狀態", hint=hint, detail=(
             f"{what}在中間夾了另一個呼叫之後，結果不同：{diff}。"))

@@ -191,8 +191,10 @@ def forward_stages(forward, device) -> None:
                            detail=f"建立了 {created.largest} 個元素的張量；[..., N, N_k] 的分數是 {scores} 個。",
                            hint="FlashAttention 不建立 N x N_k 的分數矩陣：lse 也在核心裡算（_fwd_store 存 (m + log2 l) * ln 2），"
                                 "不要在主機端用 q @ k^T 與 torch.logsumexp 補算。")
-        if what == STAGES[0][0]:   # once, on the smallest stage: q, k, v as transposed views, left unchanged
+        if what == STAGES[0][0]:   # once, on the smallest stage: q, k, v as transposed views (left unchanged), then
             contract.check_views_once(forward, q, k, v, name="flash_attention_forward", want=(o, lse), is_causal=causal)
+            contract.check_no_state(lambda: forward(q, k, v, is_causal=False), lambda: forward(q, k, v, is_causal=True),
+                                    name="flash_attention_forward")   # causal and not, in turns: fresh outputs each call
 
 
 def forward_ir_fp32(forward, device, shape=(1, 1, 40, 16), causal=True, dtypes=(torch.bfloat16, torch.float16),

@@ -42,16 +42,24 @@ def gqa_window_reference(q, k, v, causal, window, dtype=torch.float64):
 
 
 def _views_and_block_sizes(gqa, q, k, v, causal, window, want) -> None:
-    """gqa on transposed views of q, k, v (views left unchanged), then with block_m = 64, block_n = 32 with new tensors
-    starting as NaN (rows a hard-coded BLOCK_M leaves unwritten show): both give ``want`` (o, lse)."""
+    """gqa on transposed views of q, k, v (views left unchanged), on k and v as the first d columns of a wider buffer
+    (a fused KV tensor's slices: a reshape keeps them views), then with block_m = 64, block_n = 32 and block_m = 16,
+    block_n = 64, new tensors starting as NaN (rows a hard-coded BLOCK_M or grid leaves unwritten show): all give
+    ``want`` (o, lse)."""
     contract.check_views_once(gqa, q, k, v, name="attention_gqa_window", want=want, is_causal=causal, window=window)
-    with contract.new_memory_reads_nan():                             # rows left unwritten read NaN
-        o_b, lse_b = gqa(q, k, v, is_causal=causal, window=window, block_m=64, block_n=32)
-    for what, got, right in zip(("o", "lse"), (o_b, lse_b), want):
-        grading.check_tensor(got, right, atol=1e-5,
-                             name=f"attention_gqa_window: block_m = 64, block_n = 32 (N = {q.shape[-2]}): {what}",
-                             hint="block_m、block_n 是參數：網格 triton.cdiv(N, block_m) 與核心的 BLOCK_M=block_m、BLOCK_N=block_n "
-                                  "都用它們，不要寫死 32、16（BLOCK_M 寫死 32、網格用 block_m = 64 時，每個查詢區塊的後半列沒有寫）。")
+    sliced = gqa(q, contract.padded_rows(k), contract.padded_rows(v), is_causal=causal, window=window)
+    for what, got, right in zip(("o", "lse"), sliced, want):
+        grading.check_tensor(got, right, atol=1e-5, hint=contract.VIEW_HINT,
+                             name=f"attention_gqa_window：k、v 是較寬緩衝區的切片（kv[..., :d]，不連續）: {what}")
+    for block_m, block_n in ((64, 32), (16, 64)):
+        with contract.new_memory_reads_nan():                             # rows left unwritten read NaN
+            o_b, lse_b = gqa(q, k, v, is_causal=causal, window=window, block_m=block_m, block_n=block_n)
+        for what, got, right in zip(("o", "lse"), (o_b, lse_b), want):
+            grading.check_tensor(got, right, atol=1e-5,
+                                 name=f"attention_gqa_window: block_m = {block_m}, block_n = {block_n} (N = {q.shape[-2]}): {what}",
+                                 hint="block_m、block_n 是參數：網格 triton.cdiv(N, block_m) 與核心的 BLOCK_M=block_m、BLOCK_N=block_n "
+                                      "都用它們，不要寫死 32、16（BLOCK_M 寫死 32、網格用 block_m = 64 時，每個查詢區塊的後半列沒有寫；"
+                                      "網格寫死 cdiv(N, 32)、block_m = 16 時也是）。")
 
 
 def gqa_window_values(gqa, device) -> None:

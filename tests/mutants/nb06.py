@@ -533,3 +533,28 @@ MISTAKES["ex5_gqa_window"] += [
     ("BLOCK_M hard-coded at 32", "BLOCK_M=block_m", "BLOCK_M=32"),
     ("output allocated like q (its strides)", "o = torch.empty_like(q3)", "o = torch.empty_like(q)"),
 ]
+
+# An outside read of 06's kernels (2026-12-07): mistakes the visible tests did not catch before.
+RULES["ex1_softmax"] = [r.replace("one row of 3000 (longer than 1024)", "one row of 5000 (longer than 1024 and 4096)")
+                        for r in RULES["ex1_softmax"]]
+RULES["ex2_flash_forward"] += ["calls causal and not in turns: each answers as alone (no output tensor kept and reused)"]
+RULES["ex5_gqa_window"] += ["k, v as the first d columns of a wider buffer (a fused KV tensor's slices): same o and lse",
+                            "block_m = 16, block_n = 64 too (freed memory filled with NaN): the grid follows block_m"]
+MISTAKES["ex1_softmax"] += [
+    ("BLOCK capped at 4096", "BLOCK=triton.next_power_of_2(x2.shape[1])",
+     "BLOCK=min(triton.next_power_of_2(x2.shape[1]), 4096)"),
+]
+MISTAKES["ex2_flash_forward"] += [
+    ("o and lse kept per shape and reused by the next call",
+     "    o = torch.empty_like(q3)\n    lse = torch.empty(q3.shape[:2], dtype=torch.float32, device=q.device)  # [BH, N]\n",
+     "    cache = globals().setdefault(\"_OUTPUTS\", {})\n"
+     "    if (q3.shape, q3.dtype) not in cache:\n"
+     "        cache[(q3.shape, q3.dtype)] = (torch.empty_like(q3),\n"
+     "                                       torch.empty(q3.shape[:2], dtype=torch.float32, device=q.device))\n"
+     "    o, lse = cache[(q3.shape, q3.dtype)]\n"),
+]
+MISTAKES["ex5_gqa_window"] += [
+    ("grid written for block_m = 32", "[(triton.cdiv(n, block_m), b * hq)]", "[(triton.cdiv(n, 32), b * hq)]"),
+    ("k, v flattened with reshape, not made contiguous", "q3, k3, v3 = _as_heads(q), _as_heads(k), _as_heads(v)",
+     "q3, k3, v3 = _as_heads(q), k.reshape(-1, nk, d), v.reshape(-1, nk, d)"),
+]
