@@ -17,7 +17,7 @@ from labkit.core import grading
 from labkit.tritonlab import bounds as tritonbounds, compile as tritoncompile, mode as tritonmode
 from labkit.flex import lib as flexlib
 from labkit.checks.nb09 import attention64, table
-from labkit.checks.nb09_forward import DOCS, HEAD_ID_64, LOG2E, check_blocks_computed, documents
+from labkit.checks.nb09_forward import DOCS, HEAD_ID_64, LOG2E, check_blocks_computed, documents, forged_lists
 
 KERNELS = ("_sparse_bwd_dkdv_kernel", "_sparse_bwd_dq_kernel", "_sparse_bwd_kernel")   # launched apart or in one
 PREC_HINT = "和練習 5 一樣：fp32 用 \"ieee\"，bf16／fp16 用 \"tf32\"。"
@@ -32,16 +32,17 @@ def grads64(q, k, v, do, allowed, sink=None):
 
 
 def backward_matches(sparse_attention_backward, what: str, mask_mod, Nq: int, Nk: int, hint: str, mask: str = "causal",
-                     sink=None, B: int = 1, d: int = 16, block: int = 16, **kw) -> None:
-    """``sparse_attention_backward`` (``block``) on seeded q, dO [B, 2, Nq, d], k, v [B, 2, Nk, d] with o and lse (fp32) from the
-    float64 attention (``kw``: window, document_id) touches only its tensors; dV, dK, dQ within 2e-5 of float64
+                     sink=None, B: int = 1, d: int = 16, block: int = 16, lists=None, allowed=None, **kw) -> None:
+    """``sparse_attention_backward`` (``block``, ``lists`` or create_block_mask's for ``mask_mod``) on seeded q, dO
+    [B, 2, Nq, d], k, v [B, 2, Nk, d] with o and lse (fp32) from the float64 attention masked by ``allowed`` (default:
+    ``mask_mod``'s table; ``kw``: window, document_id) touches only its tensors; dV, dK, dQ within 2e-5 of float64
     autograd; q, k, v, o, lse, dO and the lists left unchanged. Outputs a kernel never writes read NaN."""
     dev = tritonmode.device()
     torch.manual_seed(13)
     q, k, v = torch.randn(B, 2, Nq, d), torch.randn(B, 2, Nk, d), torch.randn(B, 2, Nk, d)
     do = torch.randn(B, 2, Nq, d)
-    o, lse, dq_ref, dk_ref, dv_ref = grads64(q, k, v, do, table(mask_mod, Nq, Nk), sink)
-    lists = flexlib.torch_lists(mask_mod, Nq, Nk, block)
+    o, lse, dq_ref, dk_ref, dv_ref = grads64(q, k, v, do, table(mask_mod, Nq, Nk) if allowed is None else allowed, sink)
+    lists = lists or flexlib.torch_lists(mask_mod, Nq, Nk, block)
     # counts (and skips) reads and writes past the tensors; outputs start as NaN: rows never written read NaN
     with tritonbounds.outside_accesses() as outside, contract.new_memory_reads_nan():
         dq, dk, dv = contract.check_inputs_unchanged(
@@ -57,7 +58,8 @@ def backward_matches(sparse_attention_backward, what: str, mask_mod, Nq: int, Nk
 def backward_masks(sparse_attention_backward, causal, sliding_window, packed_causal):
     """:func:`backward_matches` on causal N = 64 (both kernels launched), a tail block (N = 72), window 20 and 0,
     rows that see no key (lse = -inf: window 4, N_q = 32 > N_k = 16), documents (N = 100), N_q = 40 != N_k = 72
-    causal and unmasked, B = 2 with head size 32, a sink, block 32 (the argument, not P.block). Returns the launch
+    causal and unmasked, B = 2 with head size 32, a sink, block 32 (the argument, not P.block); lists forged with every
+    block full (kv and q_* lists, MASK = causal: full blocks skip the mask, every key seen). Returns the launch
     counts of the first run (kernel name -> launches)."""
     with tritonmode.launches() as launched:
         backward_matches(sparse_attention_backward, "因果 N = 64", causal, 64, 64,
@@ -91,6 +93,11 @@ def backward_masks(sparse_attention_backward, causal, sliding_window, packed_cau
               "網格、BLOCK_M 與 BLOCK_N 都用引數 block（清單是以它切的），不要用 notebook 的 P.block 或寫死 16。", dict(block=32))]
     for what, mask_mod, Nq, Nk, hint, kw in cases:
         backward_matches(sparse_attention_backward, what, mask_mod, Nq, Nk, hint, **kw)
+    # Lists forged with every block full (both ways) while MASK = causal: full blocks skip the rule, so every key is seen
+    backward_matches(sparse_attention_backward, "全滿區塊不算遮罩（四個區塊都列為全滿、MASK = causal）", causal, 64, 64,
+                     "全滿區塊的每個 P 都留著：兩個核心都只在部分區塊求 MASK 的規則、把看不見的 P 設成 0，"
+                     "全滿區塊不求規則（和練習 5 的 MASKED=False 一樣）。",
+                     lists=forged_lists(4, full=True), allowed=torch.ones(64, 64, dtype=torch.bool))
     return launched
 
 

@@ -28,6 +28,20 @@ def documents(lengths) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
 
+def forged_lists(n: int, full: bool) -> dict:
+    """The eight lists of n x n blocks (kv and q_* alike) listing every block as full (``full``) or every block as
+    partial, whatever the mask rule says: a kernel that skips the rule on full blocks and applies it on partial ones
+    sees every key in the first case and the rule's keys in the second."""
+    listed = (torch.full((n,), n), torch.arange(n).repeat(n, 1))                  # every block, in order
+    unlisted = (torch.zeros(n, dtype=torch.long), torch.zeros(n, n, dtype=torch.long))
+    as_full, as_partial = (listed, unlisted) if full else (unlisted, listed)
+    lists = {}
+    for pre in ("kv_", "q_"):
+        lists[f"full_{pre}num_blocks"], lists[f"full_{pre}indices"] = as_full
+        lists[f"{pre}num_blocks"], lists[f"{pre}indices"] = as_partial
+    return {name: t.clone() for name, t in lists.items()}
+
+
 def forward_matches(sparse_attention, what: str, mask_mod, Nq: int, Nk: int, hint: str, mask: str = "causal",
                     lists=None, allowed=None, dtype=torch.float32, B: int = 1, d: int = 16, block: int = 16, **kw):
     """``sparse_attention`` on seeded q [B, 2, Nq, d], k, v [B, 2, Nk, d] (``block``, ``lists`` or create_block_mask's
@@ -98,16 +112,11 @@ def forward_masks(sparse_attention, causal, sliding_window, packed_causal) -> No
         grading.check_tensor(g.cpu(), want, name=f"練習 5：{what}，每個分數都在 -144 附近（因果 N = 32）", atol=1e-4,
                              hint="沒有匯點時 m 從 -inf 開始（tl.full(..., float(\"-inf\"), ...)），不是 0：從 0 開始時 exp2(s - 0) "
                                   "全部下溢成 0，l = 0，整列被當成看不見任何鍵。")
-    none, every = torch.zeros(4, dtype=torch.long), torch.arange(4).repeat(4, 1)
-    forged_full = {"kv_num_blocks": none, "kv_indices": torch.zeros(4, 4, dtype=torch.long),
-                   "full_kv_num_blocks": torch.full((4,), 4), "full_kv_indices": every}
     forward_matches(sparse_attention, "全滿區塊不算遮罩（四個區塊都列為全滿、MASK = causal）", causal, 64, 64, mask="causal",
-                    lists=forged_full, allowed=torch.ones(64, 64, dtype=torch.bool),
+                    lists=forged_lists(4, full=True), allowed=torch.ones(64, 64, dtype=torch.bool),
                     hint="全滿區塊的每個分數都看得見：_online_tile(..., MASKED=False)，不求 MASK 的規則（省下的正是這一步）。")
-    forged_partial = {"kv_num_blocks": torch.full((4,), 4), "kv_indices": every,
-                      "full_kv_num_blocks": none, "full_kv_indices": torch.zeros(4, 4, dtype=torch.long)}
     forward_matches(sparse_attention, "部分區塊要算遮罩（四個區塊都列為部分、MASK = causal）", causal, 64, 64, mask="causal",
-                    lists=forged_partial, hint="部分區塊一定要求 MASK 的規則；把部分區塊當全滿算，看不見的鍵就漏進來了。")
+                    lists=forged_lists(4, full=False), hint="部分區塊一定要求 MASK 的規則；把部分區塊當全滿算，看不見的鍵就漏進來了。")
     forward_matches(sparse_attention, "視窗 w = 20，N = 80", sliding_window(20), 80, 80, mask="window", window=20,
                     hint="MASK == 2：keep = 邊界 & (q >= j) & (q - j <= WINDOW)。")
     forward_matches(sparse_attention, "視窗 w = 0（只看自己），N = 32", sliding_window(0), 32, 32, mask="window", window=0,
@@ -186,7 +195,8 @@ def forward_head_offsets_64bit(fwd_kernel, causal) -> None:
 
 
 def forward_sink(sparse_attention, causal, sliding_window) -> None:
-    """The sink [1.5, -0.5] (:func:`forward_matches`): causal N = 72; B = 2 (sink[bh % H]); the identity
+    """The sink [1.5, -0.5] (:func:`forward_matches`): causal N = 72; B = 2 (sink[bh % H]); an all-zero sink (still one
+    more key, e^0 = 1 in every row's denominator: not skipped); the identity
     o_sink = o * sigmoid(lse - sink) with the run without one; window 4 with N_q = 64 > N_k = 40 (rows that see no
     key: o = 0, lse = sink with one, -inf without)."""
     sink = torch.tensor([1.5, -0.5])
@@ -194,6 +204,9 @@ def forward_sink(sparse_attention, causal, sliding_window) -> None:
                              hint="HAS_SINK：每列從 m = s_h·log2(e)、l = 1 開始（匯點是分數 s_h、值 0 的一個鍵），h = bh % H。")
     forward_matches(sparse_attention, "匯點、B = 2（每個 head 一個匯點）", causal, 40, 40, sink=sink, B=2,
                     hint="程式編號 bh = b·H + h：匯點要取 sink[bh % H]（這個 head 的），不是 sink[bh] 或 sink[bh // H]。")
+    forward_matches(sparse_attention, "匯點全為 0（因果 N = 40）", causal, 40, 40, sink=torch.zeros(2),
+                    hint="值全為 0 的匯點仍是一個分數 0 的鍵：每列的分母多一項 e^0 = 1，o 與 lse 都會變。"
+                         "有沒有匯點只看 sink 是不是 None，不看它的值（例如 sink.any()）。")
     o_n, lse_n = forward_matches(sparse_attention, "沒有匯點（同一組輸入）", causal, 72, 72,
                                  "sink=None 時 HAS_SINK=False：m = -inf、l = 0。")
     grading.check_tensor(o_s.cpu(), o_n.cpu() * torch.sigmoid(lse_n.cpu() - sink.view(1, 2, 1)).unsqueeze(-1),

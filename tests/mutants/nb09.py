@@ -58,6 +58,8 @@ RULES = {
         "key ids by N_K; q, o, lse by N_Q)",
         "the sink: vs the reference with one more column (value 0); the identity o_sink = o * sigmoid(lse - sink); "
         "rows that see no key: o = 0 and lse = sink (with) or -inf (without), no NaN; B = 2: sink[bh % H] per head",
+        "an all-zero sink (sink = zeros(H), causal N = 40) vs the reference: still one more key, e^0 = 1 in every row's "
+        "denominator (not skipped for its values)",
         "bf16 and fp16 in -> o in that dtype, lse fp32; o by the 2x rule at N = 128 (8 key blocks)",
         "fp32 inputs launch with PREC=\"ieee\", bf16 and fp16 inputs with \"tf32\" (launches recorded)",
         "every score near -144 (fp32, causal N = 32): the running max starts at -inf, not 0 (no row read as empty)",
@@ -84,7 +86,9 @@ RULES = {
         "no load or store outside the tensors handed to the kernels, in every run above (tail blocks masked)",
         "64-bit head offsets in both kernels (and the optional preprocess kernel where the wrapper launches it): "
         "launched by hand with the head's program id past 2^27 (lse and D offsets too; no int32 overflow)",
-        "dK/dV read the transposed (q_*) lists, dQ the kv lists; partial blocks masked (P = 0), full blocks not",
+        "dK/dV read the transposed (q_*) lists, dQ the kv lists; partial blocks masked (P = 0)",
+        "full blocks skip the mask in both kernels (kv and q_* lists forged: every block full, MASK = causal; dQ, dK, dV "
+        "vs the unmasked reference)",
         "both kernels read only listed blocks (interpreter's loaded elements, window 16, N = 128) and compute only "
         "them (tl.dot products at most twice the listed blocks')",
         "contract: q, k, v, o, lse, dO (fp32) and the lists left unchanged in every run; each as a view",
@@ -239,6 +243,8 @@ MISTAKES = {
          "acc, m_i, l_i = _online_tile(acc, m_i, l_i, q, kt, v, 0, qk_scale, False, PREC)",
          "acc, m_i, l_i = _online_tile(acc, m_i, l_i, q, kt, v, offs_m[:, None] >= offs_n[None, :], qk_scale, True, PREC)"),
         ("sink dropped", "HAS_SINK=sink is not None", "HAS_SINK=False"),
+        ("an all-zero sink skipped (`sink.any()`: e^0 = 1 left out of every row)", "HAS_SINK=sink is not None",
+         "HAS_SINK=sink is not None and bool(sink.any())"),
         ("sink added with l = 0 (max only)", "        l_i = tl.full([BLOCK_M], 1.0, tl.float32)\n",
          "        l_i = tl.zeros([BLOCK_M], tl.float32)\n"),
         ("sink of head 0 for every head", "tl.load(sink_ptr + bh % H)", "tl.load(sink_ptr)"),
@@ -294,6 +300,11 @@ MISTAKES = {
          "D = o.float().mul_(do.float()).sum(dim=-1)"),
     ],
     "ex7_sparse_backward": [
+        ("full blocks masked too (dK/dV kernel)",
+         "            if part == 1:                         # partial: bounds and the rule\n",
+         "            if part >= 0:                         # every block: bounds and the rule\n"),
+        ("full blocks masked too (dQ kernel)", "            if part == 1:\n                keep = rows[:, None] & inside[None, :]\n",
+         "            if part >= 0:\n                keep = rows[:, None] & inside[None, :]\n"),
         ("dK/dV kernel given the forward's lists (not transposed)",
          'as_i32("q_num_blocks"), q_idx, as_i32("full_q_num_blocks"), as_i32("full_q_indices"),\n                as_i32("kv_num_blocks")',
          'as_i32("kv_num_blocks"), kv_idx, as_i32("full_kv_num_blocks"), as_i32("full_kv_indices"),\n                as_i32("kv_num_blocks")'),

@@ -102,6 +102,19 @@ CHECKS = {
     "backward_matches (inputs unchanged)": (
         lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "lse", g["causal"], 16, 16, ""),
         "ex7_sparse_backward", "lse scaled in place (`lse.float().mul_()`: the caller's fp32 lse)", "練習 7（lse）：不修改輸入"),
+    "forward_matches (all-zero sink)": (
+        lambda g: nb09_forward.forward_matches(g["sparse_attention"], "zero", g["causal"], 40, 40, "", sink=torch.zeros(2)),
+        "ex5_sparse_kernel", "an all-zero sink skipped (`sink.any()`: e^0 = 1 left out of every row)", "o，zero"),
+    "backward_matches (every block full, dK/dV)": (
+        lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "full", g["causal"], 64, 64, "",
+                                                 lists=nb09_forward.forged_lists(4, full=True),
+                                                 allowed=torch.ones(64, 64, dtype=torch.bool)),
+        "ex7_sparse_backward", "full blocks masked too (dK/dV kernel)", "dV，full"),
+    "backward_matches (every block full, dQ)": (
+        lambda g: nb09_backward.backward_matches(g["sparse_attention_backward"], "full", g["causal"], 64, 64, "",
+                                                 lists=nb09_forward.forged_lists(4, full=True),
+                                                 allowed=torch.ones(64, 64, dtype=torch.bool)),
+        "ex7_sparse_backward", "full blocks masked too (dQ kernel)", "dQ，full"),
 }
 
 
