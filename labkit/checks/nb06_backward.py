@@ -187,7 +187,8 @@ def _within_2x(backward, q, k, v, do, causal, name, hint) -> None:
 def backward_precision(backward, preprocess, device) -> None:
     """bf16 in -> bf16 gradients; the three kernels' Triton IR in fp32 for bf16 and fp16; the 2x rule for bf16 and
     fp16 at N = 70, N_k = 90, d = 32 (causal) and at N = 1024 (64 query tiles), N_k = 32; D from bf16 O and dO in
-    fp32 (preprocess launched by hand); the D and lse2 buffers fp32; dO not contiguous."""
+    fp32 (preprocess launched by hand); the D and lse2 buffers fp32, and the D the dK/dV and dQ kernels read equal to
+    fp64 row sums of the bf16 O and dO (not a sum rounded in bf16 on the host); dO not contiguous."""
     qb, kb, vb, dob = (torch.randn(1, 2, 40, 16, device=device).to(torch.bfloat16) for _ in range(4))
     ob, lseb, _ = gradients64(qb, kb, vb, dob, True)
     grads = backward(qb, kb, vb, ob.to(torch.bfloat16), lseb, dob, is_causal=True)
@@ -220,6 +221,7 @@ def backward_precision(backward, preprocess, device) -> None:
     with tritoncompile.recorded() as launched:
         qb = torch.randn(1, 2, 40, 16, device=device).to(torch.bfloat16)
         backward(qb, qb, qb, qb, torch.zeros(1, 2, 40, device=device), qb, is_causal=True)
+    rowsum = (qb.double() * qb.double()).sum(-1).reshape(2, 40)   # D = rowsum(dO * O), O = dO = qb here
     for launch in launched:
         for arg in ("delta_ptr", "lse2_ptr"):
             buffer = launch.args.get(arg)
@@ -229,6 +231,12 @@ def backward_precision(backward, preprocess, device) -> None:
                                    detail=f"{arg[:-4]} 是 {buffer.dtype}。",
                                    hint="delta 與 lse2 用 torch.empty(bh, n, dtype=torch.float32, device=...) 配置，不是 q 的 dtype"
                                         "（torch.empty_like(q3[..., 0]) 會跟著輸入變成 bf16）：D 與 lse·log2(e) 以 fp32 儲存。")
+        delta = launch.args.get("delta_ptr")
+        if launch.kernel != "_bwd_preprocess" and isinstance(delta, torch.Tensor) and delta.numel() >= rowsum.numel():
+            grading.check_tensor(delta.reshape(2, -1)[:, :40].double(), rowsum, atol=1e-3,
+                                 name=f"flash_attention_backward: {launch.kernel} 讀的 D 是 fp32 的列和（bf16 O、dO）",
+                                 hint="D = rowsum(dO ∘ O) 由 _bwd_preprocess 以 fp32 算好就直接交給 dK/dV 與 dQ 核心；不要在主機端"
+                                      "用 bf16 的 (do3 * o3).sum(-1) 重算或覆寫它（bf16 的和在 16 附近差到 0.06，fp32 差不到 1e-5）。")
     q, k, v = (torch.randn(1, 2, 40, 16, device=device) for _ in range(3))
     do_t = torch.randn(1, 2, 16, 40, device=device).transpose(-1, -2)   # dO not contiguous, as autograd may hand it over
     o_ref, lse_ref, expected = gradients64(q, k, v, do_t.contiguous(), True)

@@ -558,3 +558,10 @@ MISTAKES["ex5_gqa_window"] += [
     ("k, v flattened with reshape, not made contiguous", "q3, k3, v3 = _as_heads(q), _as_heads(k), _as_heads(v)",
      "q3, k3, v3 = _as_heads(q), k.reshape(-1, nk, d), v.reshape(-1, nk, d)"),
 ]
+RULES["ex3_flash_backward"] += ["the D the dK/dV and dQ kernels read: fp64 row sums of bf16 O and dO to 1e-3 (no bf16 sum)"]
+MISTAKES["ex3_flash_backward"] += [
+    ("D recomputed on the host in the input dtype after the preprocess kernel",
+     "    dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)\n",
+     "    delta = (do3 * o3).sum(-1).float()\n"
+     "    dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)\n"),
+]
