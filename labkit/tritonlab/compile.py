@@ -43,7 +43,7 @@ ARCHS = {80: "sm80 (Ampere)", 90: "sm90 (Hopper)"}
 WORKER = Path(__file__).with_name("compile_worker.py")
 POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                  torch.int32: "i32", torch.int64: "i64", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
-                 torch.bool: "i1"}
+                 torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +78,7 @@ class Report:
     shared_bytes: int | None
     mma: str | None
     tf32: bool | None = None
+    mma_ops: tuple = ()         # the distinct MMA instructions of the PTX ("wgmma.mma_async....m64n64k32.f32.e4m3.e4m3")
     low_precision: tuple = ()   # ttir_only: (function, statement, kind, op, type): see the worker's low_precision
 
 
@@ -232,7 +233,8 @@ def compile_launches(launches: list[Launch], archs=(80, 90), config: dict | None
         raise RuntimeError(f"the Triton compiler process failed:\n{done.stderr[-2000:]}")
     rows = json.loads(done.stdout)
     return [Report(**{**row, "error": _explain(row["error"], row["arch"]) if row["error"] else "",
-                      "low_precision": tuple(map(tuple, row.get("low_precision", ())))}) for row in rows]
+                      "low_precision": tuple(map(tuple, row.get("low_precision", ()))),
+                      "mma_ops": tuple(row.get("mma_ops", ()))}) for row in rows]
 
 
 def check_compiles(run: Callable[[], object], *, name: str, archs=(80, 90), config: dict | None = None,

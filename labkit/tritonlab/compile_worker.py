@@ -2,7 +2,7 @@
 
 Reads a JSON job on stdin: ``{"source": module text, "kernels": [{"name", "signature", "constexprs",
 "num_warps", "num_stages"}], "archs": [80, 90]}``. Writes one JSON list on stdout: per kernel and
-arch ``{"kernel", "arch", "ok", "error", "registers", "spills", "shared_bytes", "mma", "tf32"}``.
+arch ``{"kernel", "arch", "ok", "error", "registers", "spills", "shared_bytes", "mma", "tf32", "mma_ops"}``.
 With ``"ttir_only": true`` only the frontend runs (Triton IR, no PTX: much faster) and each row
 has ``"low_precision"``: what the kernel computes in bf16/fp16 (:func:`low_precision`).
 
@@ -70,7 +70,8 @@ def compile_one(module, kernel: dict, arch: int) -> dict:
     ptx = compiled.asm["ptx"]
     row.update(ok=True, shared_bytes=int(compiled.metadata.shared), **resource_usage(compiled.asm["cubin"]),
                mma="wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else None,
-               tf32=bool(re.search(r"\b(?:wgmma\.mma_async|mma\.sync)\S*\.tf32\b", ptx)))
+               tf32=bool(re.search(r"\b(?:wgmma\.mma_async|mma\.sync)\S*\.tf32\b", ptx)),
+               mma_ops=sorted(set(re.findall(r"\b(?:wgmma\.mma_async|mma\.sync)\S*", ptx))))
     return row
 
 
