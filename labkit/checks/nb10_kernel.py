@@ -38,6 +38,13 @@ HINT_MATCH = ("S = tl.dot(q8, k8^T) * (D^-0.5 * log2(e) * q_descale[該查詢區
               "GQA：查詢 head h 讀 kv head h // (Hq // Hkv)；因果是右下對齊：j <= i + Nk - N。")
 
 
+def lse_atol() -> float:
+    """lse's tolerance: 1e-4 in the interpreter (S in fp32: measured 7e-7); 2e-3 compiled, where the FP8 wgmma adds
+    its products with ~14-bit precision (|S| sums ~4 here: ~5e-4; an estimate, not measured on a GPU). lse in log2
+    units (x1.44) or without the max is far outside both."""
+    return 1e-4 if tritonmode.current() == "interpreter" else 2e-3
+
+
 def blocks() -> tuple[int, int]:
     """(block_m, block_n) of the checks: 16 x 16 in the interpreter, 64 x 32 compiled (FP8 wgmma: M >= 64, K >= 32)."""
     return (16, 16) if tritonmode.current() == "interpreter" else (64, 32)
@@ -96,7 +103,7 @@ def o_bound(o64, w, v, visible, p_scale):
     or acc not rescaled by alpha are far outside it; an o whose P was rounded to bf16 instead is inside it
     (:func:`p_cast_in_fp8` tells those apart)."""
     vis = visible.double() * w.amax(-1, keepdim=True) / p_scale   # [j visible] / (p_scale l)
-    return (HALF_SPACING * 1.01 * w + HALF_SUBNORMAL * vis) @ v.abs() + 2.0 ** -8 * o64.abs() + 1e-6
+    return (HALF_SPACING * 1.05 * w + HALF_SUBNORMAL * vis) @ v.abs() + 2.0 ** -8 * o64.abs() + 1e-6
 
 
 def _run(fp8_attention, what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse, seed=0):
@@ -130,7 +137,7 @@ def own_code(fp8_attention) -> None:
 def matches_dequantized(fp8_attention, cases=CASES) -> None:
     """Each case of ``cases`` (N not a multiple of the block, Nk != N, D = 32, GQA Hq = 4 over Hkv = 2, causal and
     not, per-tensor and per-block descales, p_scale 1 and 256, both orders): shapes and dtypes, o within
-    :func:`o_bound` of float64 attention of the dequantized inputs, lse within 1e-4 (fp32 statistics)."""
+    :func:`o_bound` of float64 attention of the dequantized inputs, lse within :func:`lse_atol`."""
     for what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse in cases:
         bm, bn = blocks()
         inputs, o, lse = _run(fp8_attention, what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse)
@@ -146,7 +153,7 @@ def matches_dequantized(fp8_attention, cases=CASES) -> None:
         grading.check_true(bool((err <= bound).all()), name=name + "：o 與反量化輸入的 float64 注意力相符", hint=HINT_MATCH,
                            detail=f"最大誤差 {float(err.max()):.3g}；誤差 / 容許值最大 {float(err.flatten()[worst] / bound.flatten()[worst]):.3g}"
                                   "（容許值：P 轉成 e4m3 的捨入，每個鍵 2^-4 P + 2^-10 / p_scale，加上 o 轉 bf16）。")
-        grading.check_tensor(lse.cpu(), lse64, name=name + "：lse", atol=1e-4,
+        grading.check_tensor(lse.cpu(), lse64, name=name + "：lse", atol=lse_atol(),
                              hint="lse = (m + log2(l)) * ln(2)（m 以 log2 為單位，l 是 fp32 的 P 總和，不含 p_scale）；看不到任何鍵的列是 -inf。")
 
 

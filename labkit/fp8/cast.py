@@ -15,10 +15,12 @@ holds exactly, which it converts right:
 When not ``EXACT`` (compiled for a GPU) it is the clamp and the hardware's cast. Finite inputs only (a NaN P is a
 bug before the cast).
 
-Calling it from a kernel in another module (the notebook's): both forms compile with Triton 3.9 here (for sm90,
-no GPU) and run in its interpreter, and Triton 3.6 on the GPU has the same rule (a global inside ``@triton.jit`` is
-allowed when it is a module, a ``tl.constexpr`` or a jit function, and attribute chains through modules are
-followed):
+Calling it from a kernel in another module (the notebook's): both forms below compile with Triton 3.9 here (for
+sm90, no GPU; tests/labkit/fp8/test_cast.py) and run in its interpreter. The compiler's rule (its code generator's
+``global_lookup``, unchanged in substance since Triton 3.2, so 3.6 on the GPU too: read in its source, not run here):
+a global read inside ``@triton.jit`` must be a module (``type(val) is ModuleType``: a SimpleNamespace is refused,
+though the interpreter accepts it), a jit function, a ``tl.constexpr`` or a triton.language object, and attribute
+chains through modules are then followed:
 
     P8 = lk.fp8cast.to_e4m3(p * p_scale, EXACT)              # lk: the notebook's `import labkit as lk`
     from labkit.fp8.cast import to_e4m3                      # or an imported name
