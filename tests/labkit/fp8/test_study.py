@@ -29,7 +29,7 @@ def test_reference_and_bf16_attention_agree_with_sdpa():
 def test_run_is_a_table_of_every_case_and_configuration_in_seconds(pipeline):
     start = time.perf_counter()
     df = study.run(pipeline)
-    assert time.perf_counter() - start < 20                               # ~2 s on one idle core
+    assert time.perf_counter() - start < 10                               # ~0.5 s on one core
     assert len(df) == 3 * 12 and set(df["case"]) == {"gaussian", "outliers", "sink"}
     assert (df["ratio"] == df["rmse_fp8"] / df["rmse_bf16"]).all() and (df["ratio"] > 1).all()
     gauss = df[df["case"] == "gaussian"]
@@ -41,8 +41,8 @@ def test_run_is_a_table_of_every_case_and_configuration_in_seconds(pipeline):
 def test_goals_hold_for_the_reference_pipeline(pipeline):
     got = study.goals(pipeline)
     assert got["outliers"] == pytest.approx(3.50, abs=0.01) and got["sink"] == pytest.approx(4.50, abs=0.01)
-    at_study_shape = study.goals(pipeline, {goal: {"seed": 0, **study.SHAPE} for goal in study.GOAL_RUNS})
-    assert at_study_shape["outliers"] >= 3 and at_study_shape["sink"] >= 4.5            # measured 3.36 and 5.07
+    larger = study.goals(pipeline, {goal: {"seed": 0, "B": 1, "H": 2, "N": 256, "D": 64} for goal in study.GOAL_RUNS})
+    assert larger["outliers"] >= 3 and larger["sink"] >= 4.5                            # measured 3.36 and 5.07
 
 
 def test_goals_fail_for_a_pipeline_that_ignores_rotation_and_p_scale(pipeline):
