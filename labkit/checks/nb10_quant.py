@@ -242,8 +242,9 @@ def rotate_qk_keeps_scores_and_dtypes(rotate_qk, random_rotation) -> None:
     for d, dtype in ((32, torch.float32), (64, torch.float32), (32, torch.bfloat16), (64, torch.float16)):
         q, k = _inputs(d, 2, 3, 20, d, dtype=dtype), _inputs(d + 1, 2, 3, 28, d, dtype=dtype)
         r = random_rotation(d, torch.Generator().manual_seed(d))
-        qr, kr = rotate_qk(q, k, r)
         what = f"rotate_qk（{str(dtype)[6:]}、D={d}）"
+        contract.check_contract(rotate_qk, q, k, r, name=what)       # first: an answer that changes q shows as such
+        qr, kr = rotate_qk(q, k, r)
         grading.check_true(qr.dtype == dtype and kr.dtype == dtype and qr.shape == q.shape and kr.shape == k.shape,
                            name=f"{what}：輸出保留 q、k 的 dtype 與形狀", detail=f"得到 {qr.dtype} {tuple(qr.shape)}、{kr.dtype} "
                            f"{tuple(kr.shape)}。", hint="在 FP32 裡算 q.float() @ R.float()，最後 .to(q.dtype)。")
@@ -260,4 +261,3 @@ def rotate_qk_keeps_scores_and_dtypes(rotate_qk, random_rotation) -> None:
             err = (qr.double() @ kr.double().transpose(-1, -2) - q.double() @ k.double().transpose(-1, -2)).abs()
             grading.check_true(bool((err <= 8 * d * 2.0**-24 * norms).all()), name=f"{what}：(q R)(k R)ᵀ = q kᵀ", detail=(
                 f"最大誤差 {float(err.max()):.3g}，超過 8·D·2⁻²⁴·|q_i||k_j|。"), hint="q 與 k 都乘同一個 R（右乘：q @ R，不是 R @ q 或 R.T）。")
-        contract.check_contract(rotate_qk, q, k, r, name=what)

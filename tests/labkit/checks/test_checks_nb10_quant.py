@@ -45,6 +45,7 @@ CAUGHT = {  # mistake -> (the check that catches it, words of the rule its messa
     "divided by d instead of sqrt(d)": (quant.rotation_is_random_and_orthogonal, "R Rᵀ = I"),
     "k rotated by R transposed": (quant.rotate_qk_keeps_scores_and_dtypes, "x @ R 在 FP32 裡算、只捨入一次"),
     "rotated in the input dtype (R rounded to bf16)": (quant.rotate_qk_keeps_scores_and_dtypes, "x @ R 在 FP32 裡算"),
+    "rotated in place (changes a float32 q)": (quant.rotate_qk_keeps_scores_and_dtypes, "：不修改輸入"),
     "rotate_qk returns fp32": (quant.rotate_qk_keeps_scores_and_dtypes, "輸出保留 q、k 的 dtype 與形狀"),
     "a rotation drawn for q and another for k": (pipe.pipeline_hands_over, "k8 · k_descale ≈ k R"),
     "v rotated too": (pipe.pipeline_hands_over, "v8 · v_descale ≈ v"),

@@ -40,9 +40,9 @@ def test_run_is_a_table_of_every_case_and_configuration_in_seconds(pipeline):
 
 def test_goals_hold_for_the_reference_pipeline(pipeline):
     got = study.goals(pipeline)
-    assert got["outliers"] == pytest.approx(3.50, abs=0.01) and got["sink"] == pytest.approx(4.50, abs=0.01)
+    assert got["outliers"] == pytest.approx(2.95, abs=0.01) and got["sink"] == pytest.approx(4.43, abs=0.01)
     larger = study.goals(pipeline, {goal: {"seed": 0, "B": 1, "H": 2, "N": 256, "D": 64} for goal in study.GOAL_RUNS})
-    assert larger["outliers"] >= 3 and larger["sink"] >= 4.5                            # measured 3.36 and 5.07
+    assert larger["outliers"] >= 3 and larger["sink"] >= 4.5                            # measured 3.14 and 5.09
 
 
 def test_goals_fail_for_a_pipeline_that_ignores_rotation_and_p_scale(pipeline):

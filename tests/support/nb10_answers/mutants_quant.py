@@ -78,6 +78,8 @@ MISTAKES = {
         ("k rotated by R transposed", "(k.float() @ r).to(k.dtype)", "(k.float() @ r.T).to(k.dtype)"),
         ("rotated in the input dtype (R rounded to bf16)", "return (q.float() @ r).to(q.dtype), (k.float() @ r).to(k.dtype)",
          "return q @ r.to(q.dtype), k @ r.to(k.dtype)"),
+        ("rotated in place (changes a float32 q)", "return (q.float() @ r).to(q.dtype)",
+         "return q.float().copy_(q.float() @ r).to(q.dtype)"),
         ("rotate_qk returns fp32", "return (q.float() @ r).to(q.dtype), (k.float() @ r).to(k.dtype)",
          "return q.float() @ r, k.float() @ r"),
     ],

@@ -56,7 +56,7 @@ def random_rotation(d, generator=None):
 
 def rotate_qk(q, k, rotation):
     """(q @ R, k @ R) computed in fp32, in q's and k's dtypes; q [..., D], k [..., D], rotation [D, D]."""
-    r = rotation.float()
+    r = rotation.to(device=q.device, dtype=torch.float32)      # R may come from a CPU generator
     return (q.float() @ r).to(q.dtype), (k.float() @ r).to(k.dtype)
 
 
