@@ -100,8 +100,8 @@ GOAL_RUNS = {  # goal -> (case, configuration of the numerator, configuration of
     "outliers": ("outliers", "per-tensor, forward S=256", "per-block + rotation, forward S=256", 2.0),
     "sink": ("sink", "per-block, forward S=1", "per-block, reverse S=256", 3.0),
 }
-# goal -> the seed and shapes its check runs at: small enough for a Triton kernel in the CPU interpreter (~5 s for
-# both goals, 4 pipeline calls: measured 2.3 s), large enough for the ratios to be the study's; each seed the one nearest its goal's
+# goal -> the seed and shapes its check runs at: small enough for a Triton kernel in the CPU interpreter (both goals,
+# 4 pipeline calls, in 2.3 s), large enough for the ratios to be the study's; each seed the one nearest its goal's
 # median over seeds 0-7. Measured with the reference answers and :data:`BLOCKS` (a torch stand-in of the kernel and
 # the kernel itself agree to 3 digits): outliers 2.95 here, 2.5-3.5 over seeds 0-7; sink 4.43 here, 3.3-5.1 over
 # seeds 0-7. At B, H, N, D = 1, 2, 256, 64 (seed 0): 3.14 and 5.09.
