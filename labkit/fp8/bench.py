@@ -156,8 +156,8 @@ def _first_call(fn: Callable, device: torch.device) -> tuple[str, float]:
 
 
 def sweep(fp8_attention: Callable, quantize: Callable, *, bf16_forward: Callable | None,
-          shapes: list[dict] | dict[int, list[int]] | None = None, causal=(False, True), library=LIBRARY, kernel_kwargs: dict | None = None,
-          ceilings: dict | None = None, target_ms: float = 100.0, device=None,
+          shapes: list[dict] | dict[int, list[int]] | None = None, causal=(False, True), library=LIBRARY,
+          kernel_kwargs: dict | None = None, ceilings: dict | None = None, target_ms: float = 100.0, device=None,
           on_row: Callable[[dict], None] | None = None) -> pd.DataFrame:
     """Forward time and TFLOP/s of each kernel per shape and causal: a tidy DataFrame, one row per kernel.
 
@@ -218,7 +218,6 @@ def sweep(fp8_attention: Callable, quantize: Callable, *, bf16_forward: Callable
                     on_row(row)
             del calls, ok
             measure.free_memory()
-        del q, k, v, fp8
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
