@@ -112,8 +112,6 @@ def heading(run: dict) -> str:
 
 def show(notebook: str, cell_id: str) -> None:
     """Display what cell ``cell_id`` of ``notebook`` printed and drew in the course's reference GPU run."""
-    from IPython.display import HTML, Image, display
-
     run = load(notebook)
     outputs = None if run is None else run["cells"].get(cell_id)
     if not outputs:
@@ -122,6 +120,15 @@ def show(notebook: str, cell_id: str) -> None:
     print(heading(run))
     if cell_id in run.get("notes", {}):   # what this run does not show, or how it ran
         print(f"⚠️ {run['notes'][cell_id]}")
+    display_outputs(outputs)
+
+
+def display_outputs(outputs: list[dict]) -> None:
+    """Display outputs in the stored form (``{"text": ...}``, ``{"text/html": ...}``, ``{"image/png": base64}``,
+    ``{"text/plain": ...}``): a stored cell's, or a report built in that form (notebook 10's sweep report), so
+    that a GPU reader and the reference run show the same thing."""
+    from IPython.display import HTML, Image, display
+
     for output in outputs:
         if "text" in output:
             print(output["text"], end="" if output["text"].endswith("\n") else "\n")

@@ -4,6 +4,7 @@
   configuration and backend, out-of-memory rows recorded instead of fatal.
 - :func:`matmul_peak_tflops`, :func:`copy_bandwidth`: this device's measured peaks.
 - :func:`auto_vs_best`: per configuration, "auto" against the fastest named backend.
+- :func:`recompile_room`: room for torch.compile's graphs in sweeps of compiled functions (09, 10).
 - The measurement primitives live in :mod:`labkit.core.measure` and are re-exported here
   (``lk.bench.time_fn``, ``lk.bench.peak_memory``, ...), the names the notebooks use.
 
@@ -187,6 +188,16 @@ def attention_sweep(configs: list[dict], *, backends: Iterable[str] | None = Non
                 free_memory()  # gc.collect costs ~0.2 s: skipped on CPU when nothing failed
             bar.update(len(group))
     return pd.DataFrame(rows, columns=SWEEP_COLUMNS)  # every column even when no row ran
+
+
+def recompile_room(limit: int = 256) -> None:
+    """Let torch.compile keep one graph per benchmarked shape (a sweep's N, mask, causal) instead of falling back
+    to eager past its default limit of 8."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
 
 
 def matmul_peak_tflops(*, device=None, dtype=torch.bfloat16, n: int = 8192) -> float:

@@ -33,21 +33,13 @@ import torch
 
 from labkit.core import measure
 from labkit.engine import kernels
+from labkit.engine.bench import recompile_room
 from labkit.flex.varlen import fa4_varlen, kwargs_accepted, varlen_attend
 
 BLOCK = 128          # FlexAttention's default block: the kernels compared read the same block lists
 PASSES = ("fwd", "fwd+bwd")
 LIST_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
               "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-
-
-def _recompile_room(limit: int = 256) -> None:
-    """Let torch.compile keep one graph per (mask, N) instead of falling back to eager past its default limit."""
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
 
 
 def status_of(err: BaseException) -> str:
@@ -210,7 +202,7 @@ def sweep(cases: list[dict], seq_lens: list[int] | dict[int, list[int]], *, mine
     """
     from tqdm.auto import tqdm
 
-    _recompile_room()
+    recompile_room()
     shapes = [(hd, n) for hd, ns in (seq_lens if isinstance(seq_lens, dict) else {d: seq_lens}).items() for n in ns]
     passes = PASSES if mine_backward is not None else ("fwd",)
     rows = []
