@@ -90,7 +90,7 @@ def _near(args: dict, wants: dict, what: str, hint: str, rotated: bool = False) 
 def pipeline_hands_over(fp8_pipeline) -> None:
     """q, k, v bf16 [2, 2, 40, 32] (where Triton kernels run here). Block scaling with rotation (seed 3, block_m 16, block_n 32, causal, p_scale 64,
     reverse): one fp8_attention call with e4m3 operands, q_descale [2, 2, 3], k and v [2, 2, 2], the options passed
-    through, q8 and k8 dequantized ~ q R and k R with the SAME R (the seed's first draw), v8 ~ v (not rotated);
+    through, q8 and k8 dequantized ~ q R and k R with the SAME R (the generator's first draw), v8 ~ v (not rotated);
     per-tensor scaling without rotation: 0-dim descales, q8 ~ q; quant="bad" -> ValueError; o bf16 [2, 2, 40, 32]."""
     g = torch.Generator().manual_seed(10)
     q, k, v = (torch.randn(*SHAPE, generator=g).bfloat16().to(tritonmode.device()) for _ in range(3))

