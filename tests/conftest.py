@@ -47,10 +47,11 @@ def pytest_collection_modifyitems(config, items):
 # The slowest work units of `make test` (pytest -n 2 --dist loadfile), slowest first: started first, so that the
 # two workers end together instead of one starting a long unit after the other ran out of work. Measured on the
 # 2-core CI machine; a unit not listed starts after these, the larger ones (more items) first.
-SLOWEST_FIRST = ("tests/course/test_grader_strength.py::nb06", "tests/course/test_grader_strength.py::nb09",
-                 "tests/course/test_notebooks.py",
-                 "tests/course/test_grader_strength.py::nb08", "tests/course/test_grading_robustness.py",
-                 "tests/course/test_nbgrader_term.py", "tests/labkit/board/test_board.py")
+SLOWEST_FIRST = ("tests/course/test_notebooks.py",   # one autograde of every notebook
+                 "tests/course/test_grader_strength.py::nb06", "tests/course/test_grader_strength.py::nb09",
+                 "tests/course/test_grader_strength.py::nb08", "tests/labkit/board/test_board.py",
+                 "tests/course/test_browser.py", "tests/course/test_grading_robustness.py",
+                 "tests/course/test_nbgrader_term.py")
 
 
 def work_unit(nodeid: str) -> str:

@@ -115,12 +115,22 @@ def _traced_attention(q, k, v, causal, scale, backend, layout, nan_policy) -> to
     graph); "auto" is resolved outside the graph, on real tensors."""
     validate(q, k, v, causal=causal, backend=backend, layout=layout, nan_policy=nan_policy, scale=scale)
     causal = bool(causal)
-    name = _auto_outside_graph(q, k, v, causal, layout) if backend == "auto" else backend
+    name = _outside_graph()(q, k, v, causal, layout) if backend == "auto" else backend
     return _plan(name, layout, causal, grad_needed(q, k, v), _cast_dtype(q))(q, k, v, scale)
 
 
-@torch.compiler.disable
-def _auto_outside_graph(q, k, v, causal: bool, layout: str) -> str:
+_OUTSIDE_GRAPH: list = []   # auto_choice under torch.compiler.disable, made at the first trace
+
+
+def _outside_graph():
+    """``auto_choice`` as torch.compile runs it: outside the graph (torch.compiler.disable). Made at the first trace,
+    when torch._dynamo is loaded anyway: decorating at import loaded it in every process (~1.2 s of CPU each)."""
+    if not _OUTSIDE_GRAPH:
+        _OUTSIDE_GRAPH.append(torch.compiler.disable(_auto_on_tensors))
+    return _OUTSIDE_GRAPH[0]
+
+
+def _auto_on_tensors(q, k, v, causal: bool, layout: str) -> str:
     return auto_choice(q, k, v, causal=causal, layout=layout)
 
 

@@ -9,11 +9,13 @@
 The round trip's perfect submission is the solution notebook (its answers, the hidden tests restored): autograding
 it executes every solution notebook, under the run guard (tests/conftest.py), and asserts that no cell raised. (nbval
 executed them a second time until 2026-12: the same cells, about a tenth of `make test`'s time.)
+
+One temporary course holds every assignment: one ``generate_assignment "*"`` and one ``autograde "*"`` (nbgrader
+started twice, not once per assignment and step).
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from labkit.course.bundle import MARKERS
@@ -26,24 +28,17 @@ def test_there_are_assignments():
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory):
-    """``released(assignment)``: a temporary course where ``nbgrader generate_assignment`` ran, once per assignment
-    (the release test reads it, the round trip then grades in it)."""
-    courses = {}
-
-    def course_of(assignment: str) -> Path:
-        if assignment not in courses:
-            courses[assignment] = make_course(tmp_path_factory.mktemp(assignment), assignment)
-            run_nbgrader(courses[assignment], "generate_assignment", assignment)
-        return courses[assignment]
-
-    return course_of
+def course(tmp_path_factory):
+    """A temporary course holding every assignment, where one ``nbgrader generate_assignment "*"`` released them all
+    (one nbgrader start and gradebook, not one per assignment); the release test reads it, the round trip grades in it."""
+    course = make_course(tmp_path_factory.mktemp("course"), ASSIGNMENTS)
+    run_nbgrader(course, "generate_assignment", "*")
+    return course
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
-def test_release_is_regenerated_from_solutions(released, assignment):
-    course = released(assignment)
+def test_release_is_regenerated_from_solutions(course, assignment):
     fresh = course / "notebooks" / assignment / f"{assignment}.ipynb"
     committed = ROOT / "notebooks" / assignment / f"{assignment}.ipynb"
     assert committed.exists(), f"run `make release`: {committed} is missing"
@@ -91,19 +86,36 @@ def _broken_submission(perfect: dict) -> dict:
 BROKEN_TRIED_IN = "04_performance_analysis"
 
 
+@pytest.fixture(scope="module")
+def autograded(course):
+    """Every assignment's students submitted (perfect, blank, and in BROKEN_TRIED_IN broken), then one
+    ``nbgrader autograde "*"`` for all of them (one nbgrader start; each notebook still runs in a kernel of its own).
+    Returns (the course, the students per assignment, nbgrader's completed process)."""
+    students = {}
+    for assignment in ASSIGNMENTS:
+        release = load(course / "notebooks" / assignment / f"{assignment}.ipynb")
+        perfect = perfect_submission(release, load(course / "solutions" / assignment / f"{assignment}.ipynb"))
+        students[assignment] = {"perfect": perfect, "blank": release}
+        if assignment == BROKEN_TRIED_IN:
+            students[assignment]["broken"] = _broken_submission(perfect)
+        for student, nb in students[assignment].items():
+            submit(course, student, assignment, nb)
+    graded = run_nbgrader(course, "autograde", "*", check=False, timeout=3600)   # every notebook: minutes each
+    return course, students, graded
+
+
+def test_autograde_of_every_assignment_exits_cleanly(autograded):
+    _, _, graded = autograded
+    assert graded.returncode == 0, f"nbgrader autograde failed:\n{graded.stdout[-3000:]}\n{graded.stderr[-3000:]}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("assignment", ASSIGNMENTS)
-def test_autograde_round_trip(released, assignment):
-    course = released(assignment)
-    release = load(course / "notebooks" / assignment / f"{assignment}.ipynb")
-    perfect = perfect_submission(release, load(course / "solutions" / assignment / f"{assignment}.ipynb"))
-    students = {"perfect": perfect, "blank": release}
-    if assignment == BROKEN_TRIED_IN:
-        students["broken"] = _broken_submission(perfect)
-    for student, nb in students.items():
-        submit(course, student, assignment, nb)
-    run_nbgrader(course, "autograde", assignment)
-
+def test_autograde_round_trip(autograded, assignment):
+    course, students, graded = autograded
+    students = students[assignment]
+    assert all((course / "autograded" / s / assignment / f"{assignment}.ipynb").exists() for s in students), (
+        f"nbgrader autograde did not grade every {assignment} submission:\n{graded.stdout[-3000:]}\n{graded.stderr[-3000:]}")
     score, max_score, _ = scores(course, assignment, "perfect")
     assert max_score > 0 and score == max_score, f"perfect submission scored {score}/{max_score}"
     blank_score, _, blank_total = scores(course, assignment, "blank")

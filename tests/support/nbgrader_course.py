@@ -36,25 +36,27 @@ def nbgrader_cells(nb: dict, **flags) -> list[dict]:
 
 
 def run_nbgrader(course: Path, *args: str, force: bool = True, check: bool = True,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``nbgrader ARGS [--force]`` in ``course`` (any working directory), with ``env`` added to the environment;
-    with ``check``, a non-zero exit fails the test."""
+                 env: dict[str, str] | None = None, timeout: float = 1200) -> subprocess.CompletedProcess:
+    """``nbgrader ARGS [--force]`` in ``course`` (any working directory), with ``env`` added to the environment,
+    killed after ``timeout`` s; with ``check``, a non-zero exit fails the test."""
     # nbgrader runs `alembic` from PATH when it creates the gradebook: put this venv first.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     env = dict(os.environ, PATH=path, HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", **(env or {}))
     proc = subprocess.run([sys.executable, "-m", "nbgrader", *args, *(["--force"] if force else [])], cwd=course,
-                          env=env, capture_output=True, text=True, timeout=1200)
+                          env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
-def make_course(tmp_path: Path, assignment: str, source: dict | None = None) -> Path:
+def make_course(tmp_path: Path, assignment: str | list[str], source: dict | None = None) -> Path:
     """A temporary course directory holding the course config and one assignment's source: the course's
-    ``solutions/<assignment>``, or the nbgrader source notebook ``source`` written there."""
+    ``solutions/<assignment>`` (each of a list of assignments), or the nbgrader source notebook ``source`` written
+    there."""
     course = tmp_path / "course"
     if source is None:
-        shutil.copytree(ROOT / "solutions" / assignment, course / "solutions" / assignment)
+        for name in [assignment] if isinstance(assignment, str) else assignment:
+            shutil.copytree(ROOT / "solutions" / name, course / "solutions" / name)
     else:
         write(course / "solutions" / assignment / f"{assignment}.ipynb", source)
     shutil.copy(ROOT / "nbgrader_config.py", course)

@@ -8,6 +8,8 @@ all run on a CPU) and empty caches, so the first call of each test tunes.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -123,6 +125,14 @@ def test_torch_compile_trains_through_labkit(fresh_auto, backend):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
     assert bool(fresh_auto) == (backend == "auto")
+
+
+def test_import_leaves_torch_dynamo_unloaded():
+    """torch.compile's auto path loads torch._dynamo when it traces (above); `import labkit` alone does not: every
+    notebook kernel and worker imports labkit, and torch._dynamo costs each ~1.2 s of CPU."""
+    probe = "import sys, labkit; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])

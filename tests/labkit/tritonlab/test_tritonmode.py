@@ -48,6 +48,36 @@ def test_setup_reports_the_interpreter_and_kernels_run_on_cpu_tensors():
     assert torch.equal(out, x + y)
 
 
+@triton.jit
+def _twice(x):
+    return 2 * tl.maximum(x, 0.0) + tl.sum(x, axis=0) * 0   # a helper that calls the language, and triton's own tl.sum
+
+
+@triton.jit
+def _helper_loop(x_ptr, out_ptr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    for _ in range(STEPS):
+        x = _twice(x)
+    tl.store(out_ptr + offs, x)
+
+
+def test_helpers_patch_the_language_once_per_launch_and_still_compute(monkeypatch):
+    """4 programs x 3 calls of _twice (which calls tl.sum): the language is patched by the launch and by the first
+    call of each helper (_twice, tl.sum), not at all 24 calls; the result is right in both launches."""
+    from triton.runtime import interpreter
+
+    calls = []
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn, original=interpreter._patch_lang: calls.append(fn.__name__)
+                        or original(fn))
+    x = torch.randn(64)
+    for _ in range(2):
+        out = torch.empty_like(x)
+        _helper_loop[(4,)](x, out, BLOCK=16, STEPS=3)
+        assert torch.equal(out, 8 * x.clamp(min=0))
+    assert sorted(calls) == sorted(["_helper_loop", "_twice", "sum"] * 2), calls
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dot_multiplies_numbers_in_every_dtype(dtype):
     a, b = torch.randn(16, 32).to(dtype), torch.randn(32, 16).to(dtype)
