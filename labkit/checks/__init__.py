@@ -15,7 +15,7 @@ import importlib
 
 def __getattr__(name: str):
     """``lk.checks.nb06`` imports labkit/checks/nb06.py on first use: ``import labkit`` (every notebook kernel, every
-    board worker) does not pay for the checks of nine notebooks."""
+    board worker) does not pay for the checks of ten notebooks."""
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as error:
