@@ -178,11 +178,13 @@ def bad_arguments_refused(quantize_per_tensor, quantize_per_block) -> None:
 
 def quantizers_keep_the_contract(quantize_per_tensor, quantize_per_block) -> None:
     """fp32 and bf16 x: x unchanged, views (transposed, sliced) give the same answer, every tensor on x's device
-    (meta)."""
+    (meta; and no tensor returned that was made without device=, e.g. from float(amax))."""
     for dtype in (torch.float32, torch.bfloat16):            # x.float() of an fp32 x is x itself: in place shows
         x = _inputs(3, 2, 2, 20, 16, dtype=dtype)
-        contract.check_contract(quantize_per_tensor, x, name=f"quantize_per_tensor（{str(dtype)[6:]}）", meta=True)
-        contract.check_contract(quantize_per_block, x, 8, name=f"quantize_per_block（{str(dtype)[6:]}）", meta=True)
+        contract.check_contract(quantize_per_tensor, x, name=f"quantize_per_tensor（{str(dtype)[6:]}）", meta=True,
+                                factories=True)
+        contract.check_contract(quantize_per_block, x, 8, name=f"quantize_per_block（{str(dtype)[6:]}）", meta=True,
+                                factories=True)
 
 
 # ----------------------------------------------------------------------------- ex2: rotation

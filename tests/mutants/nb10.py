@@ -13,7 +13,7 @@ RULES = {
         "per block, x [B, H, N, D] with B, H > 1, N not a multiple of block, block != D, block 1: descale fp32 [B, H, ceil(N / block)] = each tile's amax / 448 (float64 loop over the tiles, the last one short)",
         "e5m2: x8 in e5m2, descale amax / 57344, clamped, round trip within e5m2's half spacing (both quantizers)",
         'dtype bf16 / fp16 / int8 -> ValueError (both); block 0 or a 3-d x -> ValueError',
-        "contract: x unchanged, x as a view (transposed, sliced), every tensor on x's device (meta)",
+        "contract: x unchanged, x as a view (transposed, sliced), every tensor on x's device (meta; no returned tensor made without device=)",
     ],
     'ex2_rotation': [
         'hadamard(d), d = 1 ... 64: fp32 [d, d] equal to (-1)^popcount(i & j); H H^T = d I; d = 0, 3, 6, 12, 48 -> ValueError',
@@ -54,6 +54,7 @@ MISTAKES = {
         ('the short last tile dropped (N // block)', 'tiles = -(-N // block)', 'tiles = N // block'),
         ('any dtype accepted (per tensor)', '    if dtype not in FP8_DTYPES:\n        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")\n    fmax = torch.finfo(dtype).max\n    amax = x.detach()', '    fmax = torch.finfo(dtype).max\n    amax = x.detach()'),
         ('divided in place (changes a float32 x)', 'x8 = (x.float() / descale).clamp(-fmax, fmax).to(dtype)', 'x8 = x.float().div_(descale).clamp(-fmax, fmax).to(dtype)'),
+        ('descale rebuilt from a Python float (no device=)', '    x8 = (x.float() / descale).clamp(-fmax, fmax).to(dtype)           # clamp first: torch\'s cast may not saturate\n    return x8, descale\n', '    x8 = (x.float() / descale).clamp(-fmax, fmax).to(dtype)\n    return x8, torch.tensor(float(descale))\n'),
         ('descale returned as a Python float', '    return x8, descale\n    ### END SOLUTION\n\n\ndef quantize_per_block', '    return x8, descale.item()\n    ### END SOLUTION\n\n\ndef quantize_per_block'),
     ],
     'ex2_rotation': [

@@ -35,6 +35,7 @@ CAUGHT = {  # mistake -> (the check that catches it, words of the rule its messa
     "the short last tile dropped (N // block)": (quant.per_block_tiles_along_n, "x8 是 x 形狀的 float8_e4m3fn"),
     "any dtype accepted (per tensor)": (quant.bad_arguments_refused, "quantize_per_tensor(x, torch.bfloat16)"),
     "divided in place (changes a float32 x)": (quant.quantizers_keep_the_contract, "：不修改輸入"),
+    "descale rebuilt from a Python float (no device=)": (quant.quantizers_keep_the_contract, "跟著輸入的裝置"),
     "descale returned as a Python float": (quant.per_tensor_scale_and_round_trip, "descale 是 fp32 的 0 維張量"),
     "hadamard without the minus block": (quant.hadamard_is_sylvester, "hadamard(2) @ hadamard(2).T = d·I"),
     "hadamard normalized by sqrt(d)": (quant.hadamard_is_sylvester, "hadamard(2) @ hadamard(2).T = d·I"),
