@@ -23,6 +23,8 @@ import contextlib
 from typing import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
 from labkit.core import grading
 
@@ -202,10 +204,28 @@ def check_no_state(call: Callable[[], object], other: Callable[[], object], *, n
 NEEDS_DATA = ("cannot be called on meta tensors", "data-dependent", "data-independent implementation")
 
 
-def check_follows_device(fn: Callable, *args, name: str, **kwargs) -> None:
+class _DevicelessFactories(TorchFunctionMode):
+    """Inside, ``tensors`` collects what torch's factory functions (those a ``torch.device`` context steers) make
+    without a ``device=`` argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _device_constructors() and (kwargs or {}).get("device") is None:
+            self.tensors.append(out)
+        return out
+
+
+def check_follows_device(fn: Callable, *args, name: str, factories: bool = False, **kwargs) -> None:
     """``fn`` on meta copies of its tensor arguments makes only meta tensors: every tensor it creates follows the
     inputs' device. For plain PyTorch answers (meta tensors hold no data: no Triton); a function that reads values
-    (:data:`NEEDS_DATA`: ``.item()``, ``if t.any()``, ``x[mask]``) stops there and passes, untested."""
+    (:data:`NEEDS_DATA`: ``.item()``, ``if t.any()``, ``x[mask]``) stops there and passes, untested. With
+    ``factories``, first: ``fn`` on the real arguments returns no tensor that a factory (``torch.tensor``, ``ones``,
+    ``full``, ...) made without ``device=`` (e.g. ``torch.tensor(float(amax))``: it reads a value, so the meta run
+    cannot see it; on a GPU it stays on the CPU)."""
     def meta(value):
         if isinstance(value, torch.Tensor):
             return value.to("meta")
@@ -214,6 +234,13 @@ def check_follows_device(fn: Callable, *args, name: str, **kwargs) -> None:
         return value
 
     hint = "torch.arange / ones / zeros / full / tensor 要加 device=輸入.device：不加就建在 CPU 上，輸入在 GPU 時混用兩個裝置而出錯。"
+    if factories:
+        with _DevicelessFactories() as made:
+            result = fn(*args, **kwargs)
+        off = sum(any(t is m for m in made.tensors) for t in _tensors(result))
+        grading.check_true(not off, name=f"{name}：跟著輸入的裝置（device）", hint=hint, detail=(
+            f"回傳的張量有 {off} 個是沒有 device= 的 torch.tensor / ones / full ... 直接建出來的（例如 "
+            "torch.tensor(float(...))）：輸入在 GPU 時它們留在 CPU。"))
     try:
         result = fn(*meta(args), **{k: meta(v) for k, v in kwargs.items()})
     except Exception as error:  # noqa: BLE001 - any error on meta inputs: report it with the likely cause
@@ -248,12 +275,13 @@ def new_memory_reads_nan():
 
 
 def check_contract(fn: Callable, *args, name: str, other: Callable[[], object] | None = None, meta: bool = False,
-                   atol: float | None = None, vectors: bool = False, **kwargs) -> None:
+                   atol: float | None = None, vectors: bool = False, factories: bool = False, **kwargs) -> None:
     """:func:`check_inputs_unchanged`, :func:`check_views` (1-D tensors too with ``vectors``), :func:`check_no_state`
-    (when ``other`` is given) and, with ``meta``, :func:`check_follows_device`, on ``fn(*args, **kwargs)``."""
+    (when ``other`` is given) and, with ``meta``, :func:`check_follows_device` (with ``factories``), on
+    ``fn(*args, **kwargs)``."""
     check_inputs_unchanged(fn, *args, name=name, **kwargs)
     check_views(fn, *args, name=name, atol=atol, vectors=vectors, **kwargs)
     if other is not None:
         check_no_state(lambda: fn(*args, **kwargs), other, name=name, atol=atol)
     if meta:
-        check_follows_device(fn, *args, name=name, **kwargs)
+        check_follows_device(fn, *args, name=name, factories=factories, **kwargs)

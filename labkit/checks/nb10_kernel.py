@@ -33,6 +33,9 @@ CASES = [  # (what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse)
     ("causal N = 56 > Nk = 40, per-block descales, p_scale 256, reverse", 1, 4, 2, 56, 40, 32, True, True, 256.0, True),
     ("causal N = Nk = 40, B = 2, per-block descales, p_scale 1", 2, 2, 2, 40, 40, 32, True, True, 1.0, False),
 ]
+# run with block_n = 2 block_m (the interpreter's 16 x 16 tiles are square): q's tiles are not k's
+WIDE_N_CASE = ("causal N = 40, Nk = 56, block_n = 2 block_m, per-block descales, p_scale 256, reverse",
+               1, 4, 2, 40, 56, 32, True, True, 256.0, True)
 HINT_MATCH = ("S = tl.dot(q8, k8^T) * (D^-0.5 * log2(e) * q_descale[該查詢區塊] * k_descale[該鍵區塊])；"
               "acc = acc * alpha + tl.dot(P8, v8) * v_descale[該鍵區塊]（先前的 acc 也要乘 alpha）；最後 o = acc / (l * p_scale)。"
               "GQA：查詢 head h 讀 kv head h // (Hq // Hkv)；因果是右下對齊：j <= i + Nk - N。")
@@ -115,9 +118,10 @@ def _kept_inside(fp8_attention):
     return guarded
 
 
-def _run(fp8_attention, what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse, seed=0):
-    """One case: (inputs, o, lse) with loads and stores checked inside the tensors."""
-    bm, bn = blocks()
+def _run(fp8_attention, what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse, seed=0, tiles=None):
+    """One case: (inputs, o, lse) with loads and stores checked inside the tensors; ``tiles`` (block_m, block_n),
+    :func:`blocks` by default."""
+    bm, bn = tiles or blocks()
     inputs = fp8_inputs(B, Hq, Hkv, N, Nk, D, per_block, bm, bn, seed)
     with tritonbounds.outside_accesses() as outside, contract.new_memory_reads_nan():
         o, lse = fp8_attention(*inputs, causal, p_scale=p_scale, reverse=reverse, block_m=bm, block_n=bn)
@@ -145,11 +149,15 @@ def own_code(fp8_attention) -> None:
 
 def matches_dequantized(fp8_attention, cases=CASES) -> None:
     """Each case of ``cases`` (N not a multiple of the block, Nk != N, D = 32, GQA Hq = 4 over Hkv = 2, causal and
-    not, per-tensor and per-block descales, p_scale 1 and 256, both orders): shapes and dtypes, o within
-    :func:`o_bound` of float64 attention of the dequantized inputs, lse within :func:`lse_atol`."""
-    for what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse in cases:
-        bm, bn = blocks()
-        inputs, o, lse = _run(fp8_attention, what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse)
+    not, per-tensor and per-block descales, p_scale 1 and 256, both orders) with :func:`blocks`' tiles, then
+    :data:`WIDE_N_CASE` with block_n = 2 block_m: shapes and dtypes, o within :func:`o_bound` of float64 attention
+    of the dequantized inputs, lse within :func:`lse_atol`."""
+    square = blocks()
+    wide = (square[0], 2 * square[1])
+    for case, (bm, bn) in [(case, square) for case in cases] + [(WIDE_N_CASE, wide)]:
+        what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse = case
+        inputs, o, lse = _run(fp8_attention, what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse,
+                              tiles=(bm, bn))
         name = f"fp8_attention（{what}）"
         grading.check_true(tuple(o.shape) == (B, Hq, N, D) and o.dtype == torch.bfloat16 and lse.dtype == torch.float32
                            and tuple(lse.shape) == (B, Hq, N), name=name + "：形狀與 dtype",
@@ -269,12 +277,13 @@ def fp8_mma_in_ptx(run) -> None:
 
 
 def bad_input_raises(fp8_attention) -> None:
-    """ValueError for: v in bf16, a q_descale shaped for another block_m, Hq = 3 over Hkv = 2, D = 24."""
+    """ValueError for: v in bf16, q in e5m2, a q_descale shaped for another block_m, Hq = 3 over Hkv = 2, D = 24."""
     bm, bn = blocks()
     q8, k8, v8, qd, kd, vd = fp8_inputs(1, 2, 1, 40, 40, 32, True, bm, bn)
     q3, k2 = fp8_inputs(1, 3, 2, 40, 40, 32, False, bm, bn)[:2]
     q24, k24, v24 = (t[..., :24] for t in (q8, k8, v8))
     bad = {"v 是 bf16（不是 float8_e4m3fn）": (q8, k8, v8.to(torch.bfloat16), qd, kd, vd),
+           "q 是 float8_e5m2（不是 float8_e4m3fn）": (q8.to(torch.float8_e5m2), k8, v8, qd, kd, vd),
            "q_descale 的形狀對應 block_m 的兩倍": (q8, k8, v8, qd[..., ::2], kd, vd),
            "Hq = 3 不是 Hkv = 2 的倍數": (q3, k2, k2, qd.new_tensor(1.0), kd.new_tensor(1.0), vd.new_tensor(1.0)),
            "D = 24 不是 2 的次方": (q24, k24, v24, qd, kd, vd)}

@@ -91,7 +91,8 @@ def pipeline_hands_over(fp8_pipeline) -> None:
     """q, k, v bf16 [2, 2, 40, 32] (where Triton kernels run here). Block scaling with rotation (seed 3, block_m 16, block_n 32, causal, p_scale 64,
     reverse): one fp8_attention call with e4m3 operands, q_descale [2, 2, 3], k and v [2, 2, 2], the options passed
     through, q8 and k8 dequantized ~ q R and k R with the SAME R (the generator's first draw), v8 ~ v (not rotated);
-    per-tensor scaling without rotation: 0-dim descales, q8 ~ q; quant="bad" -> ValueError; o bf16 [2, 2, 40, 32]."""
+    per-tensor scaling without rotation: 0-dim descales, q8 ~ q; with rotation (seed 3): q8 ~ q R, k8 ~ k R, v8 ~ v;
+    quant="bad" -> ValueError; o bf16 [2, 2, 40, 32]."""
     g = torch.Generator().manual_seed(10)
     q, k, v = (torch.randn(*SHAPE, generator=g).bfloat16().to(tritonmode.device()) for _ in range(3))
     options = dict(quant="block", rotate=True, causal=True, p_scale=64.0, reverse=True, block_m=16, block_n=32)
@@ -115,6 +116,10 @@ def pipeline_hands_over(fp8_pipeline) -> None:
                        detail=f"descale 形狀 {[tuple(args[f'{t}_descale'].shape) for t in _ORDER]}。",
                        hint="quant='tensor' 用 quantize_per_tensor。")
     _near(args, {"q": q.double(), "k": k.double(), "v": v.double()}, what, hint="rotate=False 時不旋轉。")
+    what = "fp8_pipeline(quant='tensor', rotate=True)"
+    args = _handed_over(fp8_pipeline, q, k, v, what, quant="tensor", rotate=True, generator=torch.Generator().manual_seed(3))
+    _near(args, {"q": q.double() @ r, "k": k.double() @ r, "v": v.double()}, what, rotated=True,
+          hint="rotate=True 不論 quant 是哪一種：先旋轉 q 與 k，再量化。")
     grading.check_raises(lambda: fp8_pipeline(q, k, v, quant="row"), ValueError, name="fp8_pipeline(quant='row')",
                          hint="quant 只能是 'tensor' 或 'block'，其他的 raise ValueError。")
 

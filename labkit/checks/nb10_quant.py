@@ -178,11 +178,13 @@ def bad_arguments_refused(quantize_per_tensor, quantize_per_block) -> None:
 
 def quantizers_keep_the_contract(quantize_per_tensor, quantize_per_block) -> None:
     """fp32 and bf16 x: x unchanged, views (transposed, sliced) give the same answer, every tensor on x's device
-    (meta)."""
+    (meta; and no tensor returned that was made without device=, e.g. from float(amax))."""
     for dtype in (torch.float32, torch.bfloat16):            # x.float() of an fp32 x is x itself: in place shows
         x = _inputs(3, 2, 2, 20, 16, dtype=dtype)
-        contract.check_contract(quantize_per_tensor, x, name=f"quantize_per_tensor（{str(dtype)[6:]}）", meta=True)
-        contract.check_contract(quantize_per_block, x, 8, name=f"quantize_per_block（{str(dtype)[6:]}）", meta=True)
+        contract.check_contract(quantize_per_tensor, x, name=f"quantize_per_tensor（{str(dtype)[6:]}）", meta=True,
+                                factories=True)
+        contract.check_contract(quantize_per_block, x, 8, name=f"quantize_per_block（{str(dtype)[6:]}）", meta=True,
+                                factories=True)
 
 
 # ----------------------------------------------------------------------------- ex2: rotation
@@ -215,7 +217,7 @@ def rotation_is_random_and_orthogonal(random_rotation) -> None:
     """d = 16, 64, 128: fp32 [d, d], |R R^T - I| <= 2 d 2^-24 (each entry of R R^T sums d products of size 1/d, each
     partial sum at most 1, so each add rounds by at most 2^-24: (d + 2) 2^-24 with R's own rounding); R = diag(s) H /
     sqrt(d) with s = torch.randint(0, 2, (d,), generator=generator) * 2 - 1: the same seed gives the same R, seeds
-    0-5 give different ones (not the plain H / sqrt(d))."""
+    0-5 give different ones (not the plain H / sqrt(d)); generator=None draws from torch's global generator."""
     hint = "R = diag(s) @ hadamard(d) / √d，s = torch.randint(0, 2, (d,), generator=generator) * 2 - 1（乘在列上：s[:, None] * H）。"
     for d in (16, 64, 128):
         r = random_rotation(d, torch.Generator().manual_seed(1))
@@ -232,6 +234,14 @@ def rotation_is_random_and_orthogonal(random_rotation) -> None:
             draws.append(got)
         grading.check_true(len({tuple(t.flatten().tolist()) for t in draws}) > 1, name=f"random_rotation({d})：generator 起始值不同，R 不同",
                            detail="6 個不同的 generator 起始值給出同一個 R。", hint=hint)
+    with torch.random.fork_rng():                             # generator=None: torch's global generator
+        torch.manual_seed(7)
+        s = torch.randint(0, 2, (16,)) * 2 - 1
+        torch.manual_seed(7)
+        got = random_rotation(16)
+    grading.check_tensor(got, s[:, None].double() * sylvester(16).double() / math.sqrt(16), atol=1e-6, hint=hint + (
+        "generator=None 時就用 torch 的全域亂數（torch.randint(..., generator=None)），不要自己建一個固定種子的 generator。"),
+                         name="random_rotation(16)（generator=None，torch.manual_seed(7) 之後）的正負號來自全域亂數")
 
 
 def rotate_qk_keeps_scores_and_dtypes(rotate_qk, random_rotation) -> None:

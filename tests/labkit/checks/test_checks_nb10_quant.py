@@ -35,6 +35,7 @@ CAUGHT = {  # mistake -> (the check that catches it, words of the rule its messa
     "the short last tile dropped (N // block)": (quant.per_block_tiles_along_n, "x8 是 x 形狀的 float8_e4m3fn"),
     "any dtype accepted (per tensor)": (quant.bad_arguments_refused, "quantize_per_tensor(x, torch.bfloat16)"),
     "divided in place (changes a float32 x)": (quant.quantizers_keep_the_contract, "：不修改輸入"),
+    "descale rebuilt from a Python float (no device=)": (quant.quantizers_keep_the_contract, "跟著輸入的裝置"),
     "descale returned as a Python float": (quant.per_tensor_scale_and_round_trip, "descale 是 fp32 的 0 維張量"),
     "hadamard without the minus block": (quant.hadamard_is_sylvester, "hadamard(2) @ hadamard(2).T = d·I"),
     "hadamard normalized by sqrt(d)": (quant.hadamard_is_sylvester, "hadamard(2) @ hadamard(2).T = d·I"),
@@ -47,6 +48,7 @@ CAUGHT = {  # mistake -> (the check that catches it, words of the rule its messa
     "rotated in the input dtype (R rounded to bf16)": (quant.rotate_qk_keeps_scores_and_dtypes, "x @ R 在 FP32 裡算"),
     "rotated in place (changes a float32 q)": (quant.rotate_qk_keeps_scores_and_dtypes, "：不修改輸入"),
     "rotate_qk returns fp32": (quant.rotate_qk_keeps_scores_and_dtypes, "輸出保留 q、k 的 dtype 與形狀"),
+    "generator=None replaced by a fixed seed (every R alike)": (quant.rotation_is_random_and_orthogonal, "generator=None"),
     "a rotation drawn for q and another for k": (pipe.pipeline_hands_over, "k8 · k_descale ≈ k R"),
     "v rotated too": (pipe.pipeline_hands_over, "v8 · v_descale ≈ v"),
     "generator not passed to random_rotation": (pipe.pipeline_hands_over, "q8 · q_descale ≈ q R"),
@@ -55,6 +57,7 @@ CAUGHT = {  # mistake -> (the check that catches it, words of the rule its messa
     "reverse not passed to fp8_attention": (pipe.pipeline_hands_over, "選項原樣傳給 fp8_attention"),
     "block sizes not passed to fp8_attention": (pipe.pipeline_hands_over, "：執行"),
     "quant='tensor' ignored (always per block)": (pipe.pipeline_hands_over, "每個張量一個 descale（0 維）"),
+    "rotation only with per-block scaling": (pipe.pipeline_hands_over, "quant='tensor', rotate=True"),
 }
 MISTAKES = {what: (gid, old, new) for gid, table in spec.MISTAKES.items() if gid in CHECKS for what, old, new in table}
 

@@ -140,6 +140,26 @@ def test_a_tensor_made_without_device_fails_on_meta(qkv):
         contract.check_follows_device(mask_on_cpu, *qkv, name="ex")
 
 
+def scale_from_a_float(x):
+    """Reads a value (meta tensors lack it), then makes the result without device=: on a GPU it stays on the CPU."""
+    scale = torch.tensor(float(x.abs().amax()) / 448)
+    return x / scale.to(x.device), scale
+
+
+def scale_from_the_input(x):
+    """The same scale computed from x (it reads a value too): it follows x's device."""
+    amax = x.abs().amax()
+    return x * 2, amax / 448 if bool(amax > 0) else torch.ones_like(amax)
+
+
+def test_a_result_made_without_device_after_reading_values_fails_with_factories():
+    x = torch.randn(3, 4)
+    contract.check_follows_device(scale_from_a_float, x, name="ex")           # the meta run alone cannot see it
+    with pytest.raises(AssertionError, match="(?s)跟著輸入的裝置.*device="):
+        contract.check_follows_device(scale_from_a_float, x, name="ex", factories=True)
+    contract.check_follows_device(scale_from_the_input, x, name="ex", factories=True)
+
+
 def branches_on_values(q, k, v, causal=True):
     """Right on any device, but branches on values (.any() calls .item()), which meta tensors lack."""
     out = attention(q, k, v, causal)
