@@ -240,7 +240,7 @@ def rotation_is_random_and_orthogonal(random_rotation) -> None:
         torch.manual_seed(7)
         got = random_rotation(16)
     grading.check_tensor(got, s[:, None].double() * sylvester(16).double() / math.sqrt(16), atol=1e-6, hint=hint + (
-        "generator=None 時就用 torch 的全域亂數（torch.randint(..., generator=None)），不要自己建一個固定種子的 generator。"),
+        "generator=None 時就用 torch 的全域亂數（torch.randint(..., generator=None)），不要自己建一個固定起始值（manual_seed）的 generator。"),
                          name="random_rotation(16)（generator=None，torch.manual_seed(7) 之後）的正負號來自全域亂數")
 
 
