@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 
 from labkit.core import plots
+from labkit.engine import kernels
 from labkit.fp8 import inputs
 from labkit.tritonlab import mode as tritonmode
 
@@ -40,20 +41,14 @@ SHAPE = {"B": 1, "H": 1, "N": 64, "D": 32}
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """Attention in float64: q, k, v [B, H, N, D] -> o float64 [B, H, N, D] (causal: row i sees keys j <= i)."""
-    s = q.double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
-    if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v.double()
+    """Attention in float64: q, k, v [B, H, N, D] -> o float64 [B, H, N, D] (the engine's reference formula)."""
+    return kernels.reference_attention(q.double(), k.double(), v.double(), causal=causal)[0]
 
 
 def bf16_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
-    """Plain attention with every step in bf16 (scores, softmax, P @ V): the baseline FP8 is compared with."""
-    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    if causal:
-        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    """The eager bf16 run of the same formula (matmuls in bf16, softmax in fp32): the baseline of 05's 2x rule, which
+    FP8 is compared with here. o bf16 [B, H, N, D]."""
+    return kernels.reference_attention(*(t.to(torch.bfloat16) for t in (q, k, v)), causal=causal)[0]
 
 
 def rmse(o: torch.Tensor, ref: torch.Tensor) -> float:
