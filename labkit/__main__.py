@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 
 import torch
@@ -82,15 +83,22 @@ def _parser() -> argparse.ArgumentParser:
     board = sub.add_parser("board", help="rank the students' kernels on this GPU (instructors; lk.board)")
     board.add_argument("assignment", choices=["06_triton_flashattention", "08_decode_attention", "09_flex_attention"],
                        help="the assignment whose kernels are ranked")
-    board.add_argument("--submitted", required=True, type=ca.folder(None, "nbgrader's submitted/ folder", "submitted"),
+    board.add_argument("--submitted", type=ca.folder(None, "nbgrader's submitted/ folder", "submitted"),
                        help="folder of <student>/<assignment>/<assignment>.ipynb (submitted/ or autograded/)")
+    board.add_argument("--merge", nargs="+", type=ca.folder("board.csv", "a shard's board output (its --out)", "build/board-0"),
+                       metavar="BOARD", help="instead of running students: join these board outputs (the --out of each "
+                                             "--shard run) into --out")
+    board.add_argument("--shard", type=ca.shard(), default=None, metavar="K/N",
+                       help="run only every N-th student from the K-th (0 <= K < N; one machine of N; needs --seed)")
+    board.add_argument("--gpus", type=ca.integer(1, 2), default=None,
+                       help="GPUs used at once, a student on each (default: every visible GPU)")
     board.add_argument("--out", type=ca.out_folder("build/board"), default="build/board", help="output folder")
     board.add_argument("--cpu", action="store_true", help="correctness only, through Triton's interpreter")
     board.add_argument("--timeout", type=ca.integer(1, 900), default=900, help="seconds per student")
     board.add_argument("--seed", type=ca.integer(0, 12345), default=None,
                        help="the inputs' seed (default: a fresh secret one per run)")
     board.add_argument("--anonymize", action="store_true", help="pseudonyms instead of student IDs")
-    board.add_argument("--jobs", type=ca.integer(1, 2), default=2, help="students at once on a CPU (1 on a GPU)")
+    board.add_argument("--jobs", type=ca.integer(1, 2), default=2, help="students at once on a CPU (on a GPU: --gpus)")
     board.add_argument("--memory-gb", type=ca.number(0, 16), default=None,
                        help="memory limit per student (CPU: address space, default 16; GPU: default 90%% of the card)")
     parser.commands = sub.choices  # each command's parser, for the checks after parsing (_check)
@@ -128,6 +136,12 @@ def _check(parser: argparse.ArgumentParser, args) -> None:
             command.error("the board is an instructor's tool and is not in the student bundle; run it from the course "
                           "repository")
 
+        if (args.submitted is None) == (args.merge is None):
+            command.error("give either --submitted (run the students) or --merge (join the shards' boards), not both")
+        if args.merge:
+            return
+        if args.shard and args.seed is None:
+            command.error("argument --shard: give every shard the same --seed (the same inputs for the whole class)")
         if not submissions(args.submitted, args.assignment):
             command.error(f"argument --submitted: no {args.submitted}/<student>/{args.assignment}/{args.assignment}"
                           f".ipynb; give nbgrader's layout, e.g. --submitted submitted")
@@ -223,13 +237,23 @@ def _board(args) -> int:
     import secrets
 
     from labkit.board import rank as board
+    from labkit.board import shards
 
     gpu = not args.cpu and torch.cuda.is_available()
     seed = secrets.randbelow(2**31) if args.seed is None else args.seed
     try:
-        table = board.board(args.assignment, args.submitted, args.out, seed=seed, timeout=args.timeout, gpu=gpu,
-                            anonymize=args.anonymize, jobs=args.jobs, memory_gb=args.memory_gb)
-    except board.BoardSetupError as err:
+        if args.merge:
+            rows, timings, info = shards.merge(args.merge, args.out)
+            if info["assignment"] != args.assignment:
+                raise ValueError(f"the boards to merge are of {info['assignment']}, not {args.assignment}")
+            gpu = info["gpu"]
+            table = board.write(rows, timings, args.out, assignment=args.assignment, gpu=gpu)
+            (args.out / shards.INFO).write_text(json.dumps(info, indent=1), encoding="utf-8")
+        else:
+            table = board.board(args.assignment, args.submitted, args.out, seed=seed, timeout=args.timeout, gpu=gpu,
+                                anonymize=args.anonymize, jobs=args.jobs, memory_gb=args.memory_gb, gpus=args.gpus,
+                                shard=args.shard)
+    except (board.BoardSetupError, ValueError) as err:
         print(f"python -m labkit board: error: {err}", file=sys.stderr)
         return 1
     shown = [c for c in ("rank", "student", "status", "score", "best_library", "vs_best_library", "detail")

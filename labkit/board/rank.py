@@ -2,8 +2,10 @@
 
 Ranks each student's kernels as a fraction of this GPU's measured limit, with correctness re-checked and
 cheating flagged. ``DIR`` is nbgrader's layout, ``DIR/<student>/<ASSIGNMENT>/<ASSIGNMENT>.ipynb``
-(``submitted/`` or ``autograded/``). Per student, in its own process (:mod:`labkit.board.worker`), one at a time on
-a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
+(``submitted/`` or ``autograded/``). Per student, in its own process (:mod:`labkit.board.worker`), one at a time per
+GPU (timings must not share one; ``--gpus``: several GPUs of the host, a student on each), concurrently with ``jobs``
+on a CPU; ``--shard K/N`` runs a machine's share of the class and ``--merge`` joins the shards' boards
+(:mod:`labkit.board.shards`):
 
 - which cells run (:func:`cells_to_run`): never the test cells (nbgrader ``grade`` without ``solution``), and
   nothing after the last cell that defines a graded name (the measurement sections come after the kernels).
@@ -22,7 +24,7 @@ a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
 
 Output: ``OUT/board.csv`` (student, status, detail, score, ...), ``OUT/board.html`` (the ranked table and a bar
 chart with the library kernels as lines), ``OUT/timings.json`` (per student, every timed shape and kernel),
-``OUT/logs/<student>.log`` (what the student's run printed, each cell's output, the traceback of an error, and the
+``OUT/info.json`` (assignment, seed, devices, shard, students: what a merge checks), ``OUT/logs/<student>.log`` (what the student's run printed, each cell's output, the traceback of an error, and the
 board's verdict). Before any student, :func:`probe` runs the solution's setup cell under the same limits: a limit
 too small for the runtime itself is the board's error (:class:`BoardSetupError`), not every student's.
 
@@ -47,6 +49,7 @@ from pathlib import Path
 import pandas as pd
 
 from labkit.board import report as boardreport
+from labkit.board import shards
 from labkit.board.specs import SPECS
 
 ASSIGNMENTS = tuple(SPECS)
@@ -120,9 +123,9 @@ def cells_to_run(notebook: dict, graded: tuple[str, ...]) -> list[dict]:
     return cells[:last + 1] if last >= 0 else cells
 
 
-def _env(tmp: Path, gpu: bool) -> dict[str, str]:
+def _env(tmp: Path, gpu: bool, gpu_id: str | None = None) -> dict[str, str]:
     """The worker's environment: only what it needs (the compilers' and CUDA's variables, no tokens or keys of
-    yours), HOME and caches in its own folder."""
+    yours), HOME and caches in its own folder; on a GPU, pinned to ``gpu_id`` (its only visible device)."""
     keep = ("PATH", "LANG", "LC_ALL", "OMP_NUM_THREADS", "LIBRARY_PATH", "CC", "CXX")
     env = {k: v for k, v in os.environ.items() if k in keep or k.startswith(("CUDA_", "NVIDIA_", "TRITON_", "LD_"))}
     env.update(HOME=str(tmp), TMPDIR=str(tmp), XDG_CACHE_HOME=str(tmp / ".cache"), MPLBACKEND="Agg",
@@ -132,6 +135,8 @@ def _env(tmp: Path, gpu: bool) -> dict[str, str]:
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", LABKIT_PROFILE="cpu")
     else:
         env.pop("TRITON_INTERPRET", None)                                 # compiled kernels: they are timed
+        if gpu_id is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu_id
     return env
 
 
@@ -140,8 +145,10 @@ class BoardSetupError(RuntimeError):
 
 
 def run_student(assignment: str, notebook: Path, *, seed: int, timeout: float, gpu: bool, logs: Path,
-                student: str, target_ms: float = 30.0, memory_gb: float | None = None) -> dict:
-    """One submission through :mod:`labkit.board.worker` in its own process group, cwd a fresh temporary folder.
+                student: str, target_ms: float = 30.0, memory_gb: float | None = None,
+                gpu_id: str | None = None) -> dict:
+    """One submission through :mod:`labkit.board.worker` in its own process group, cwd a fresh temporary folder
+    (on a GPU: ``gpu_id``'s, the only device it sees).
 
     Returns {"status", "detail", "timing", "seconds"}; a crash, a missing result or the time limit
     (the process group killed) is reported here, never raised. ``logs/<student>.log``: what the run printed
@@ -154,20 +161,20 @@ def run_student(assignment: str, notebook: Path, *, seed: int, timeout: float, g
         result = {"status": "error", "detail": f"notebook unreadable: {err}", "timing": None, "seconds": 0.0}
     else:
         job = dict(assignment=assignment, cells=cells, seed=seed, time=gpu, target_ms=target_ms, memory_gb=memory_gb)
-        result = _work(job, timeout=timeout, gpu=gpu, log=logs / f"{student}.log", started=started)
+        result = _work(job, timeout=timeout, gpu=gpu, log=logs / f"{student}.log", started=started, gpu_id=gpu_id)
     with open(logs / f"{student}.log", "a", encoding="utf-8") as log:
         log.write(f"--- board: {result['status']}{': ' + result['detail'] if result.get('detail') else ''}\n")
     return result
 
 
-def _work(job: dict, *, timeout: float, gpu: bool, log: Path, started: float) -> dict:
+def _work(job: dict, *, timeout: float, gpu: bool, log: Path, started: float, gpu_id: str | None = None) -> dict:
     """Run ``job`` through the worker (output to ``log``); its result, or the timeout's or the crash's."""
     tmp = Path(tempfile.mkdtemp(prefix="labkit-board-"))
     try:
         (tmp / "job.json").write_text(json.dumps({**job, "result": str(tmp / "result.json")}), encoding="utf-8")
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "labkit.board.worker", str(tmp / "job.json")], cwd=tmp,
-                                    env=_env(tmp, gpu), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                    env=_env(tmp, gpu, gpu_id), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -224,29 +231,45 @@ def anonymous(student: str, seed: int) -> str:
 
 
 def board(assignment: str, submitted: Path, out: Path, *, seed: int, timeout: float, gpu: bool,
-          anonymize: bool = False, jobs: int = 1, memory_gb: float | None = None) -> pd.DataFrame:
-    """Run every submission, write ``out/board.csv`` and ``out/board.html``; returns the ranked rows.
+          anonymize: bool = False, jobs: int = 1, memory_gb: float | None = None, gpus: int | None = None,
+          shard: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Run every submission (of ``shard``, :func:`labkit.board.shards.pick`), write ``out/board.csv``,
+    ``board.html`` and ``info.json``; returns the ranked rows. On a GPU, one student per GPU at once over ``gpus``
+    of them (default: every visible one), each worker pinned to its GPU; on a CPU, ``jobs`` at once.
 
     Raises :class:`BoardSetupError` (nothing written but ``out/logs/_probe.log``) when :func:`probe` fails."""
     from tqdm.auto import tqdm
 
-    found = submissions(submitted, assignment)
+    found = shards.pick(submissions(submitted, assignment), shard)
     logs = Path(out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    slots = shards.GpuSlots(shards.visible_gpus(gpus) if gpu else [None] * max(1, jobs))
     probe(assignment, timeout=timeout, gpu=gpu, logs=logs, memory_gb=memory_gb)
     names = {s: anonymous(s, seed) if anonymize else s for s in found}
+
+    def one(student: str, notebook: Path) -> dict:
+        with slots.hold() as gpu_id:
+            return run_student(assignment, notebook, seed=seed, timeout=timeout, gpu=gpu, logs=logs,
+                               student=names[student], memory_gb=memory_gb, gpu_id=gpu_id)
+
     results = {}
-    with concurrent.futures.ThreadPoolExecutor(1 if gpu else max(1, jobs)) as pool, \
-            tqdm(total=len(found), desc=f"board {assignment}", unit="student") as bar:
-        futures = {pool.submit(run_student, assignment, nb, seed=seed, timeout=timeout, gpu=gpu, logs=logs,
-                               student=names[s], memory_gb=memory_gb): s for s, nb in found.items()}
+    with concurrent.futures.ThreadPoolExecutor(slots.size) as pool, \
+            tqdm(total=len(found), desc=f"board {assignment} ({slots.size} at once)", unit="student") as bar:
+        futures = {pool.submit(one, s, nb): s for s, nb in found.items()}
         for future in concurrent.futures.as_completed(futures):
             results[futures[future]] = future.result()
             bar.update(1)
-    table = boardreport.ranked(pd.DataFrame([_row(names[s], results[s]) for s in found]))
-    table.to_csv(Path(out) / "board.csv", index=False)
     timings = {names[s]: results[s].get("timing") for s in found}
+    shards.write_info(out, assignment=assignment, seed=seed, gpu=gpu, gpu_ids=[g for g in slots.ids if g],
+                      shard=shard, students=sorted(names.values()))
+    return write(pd.DataFrame([_row(names[s], results[s]) for s in found]), timings, out, assignment=assignment,
+                 gpu=gpu)
+
+
+def write(rows: pd.DataFrame, timings: dict, out: Path, *, assignment: str, gpu: bool) -> pd.DataFrame:
+    """Rank ``rows`` and write ``out/board.csv``, ``timings.json`` and ``board.html``; returns the ranked rows."""
+    table = boardreport.ranked(rows)
+    table.to_csv(Path(out) / "board.csv", index=False)
     (Path(out) / "timings.json").write_text(json.dumps(timings, default=str), encoding="utf-8")
-    boardreport.write_html(table, [r.get("timing") for r in results.values()], Path(out) / "board.html",
-                           assignment=assignment, gpu=gpu)
+    boardreport.write_html(table, list(timings.values()), Path(out) / "board.html", assignment=assignment, gpu=gpu)
     return table

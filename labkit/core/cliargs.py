@@ -7,6 +7,7 @@ usage and exits with status 2, before the command does any work. Checks that nee
 
 - :func:`integer`, :func:`integers`: an int (or a comma-separated list of ints) at least ``minimum``;
   :func:`number`: a finite float above ``minimum``;
+- :func:`shard`: ``K/N``, one machine's share of N (0 <= K < N);
 - :func:`names`: a comma-separated list of names from a fixed set (:func:`words`: of any names);
   :func:`checked`: a name that a module's own function accepts (its ValueError's message becomes the answer);
 - :func:`folder`: an existing folder (holding a given file); :func:`out_folder`, :func:`out_file`:
@@ -50,6 +51,22 @@ def integer(minimum: int = 1, example: int | None = None) -> Callable[[str], int
         return value
 
     return _named(parse, "integer")
+
+
+def shard() -> Callable[[str], tuple[int, int]]:
+    """``K/N`` -> (K, N) with 0 <= K < N: the K-th of N machines (Slurm: ``$SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT``
+    with task ids from 0)."""
+
+    def parse(text: str) -> tuple[int, int]:
+        try:
+            k, n = (int(part) for part in text.split("/"))
+        except ValueError:
+            raise Error(f"expected K/N, e.g. 0/4 (the first of four machines); got {text!r}") from None
+        if not 0 <= k < n:
+            raise Error(f"K/N needs 0 <= K < N, e.g. 3/4 (the last of four); got {text!r}")
+        return k, n
+
+    return _named(parse, "shard")
 
 
 def integers(minimum: int = 1, example: str = "1024,2048") -> Callable[[str], list[int]]:
