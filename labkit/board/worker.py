@@ -133,14 +133,14 @@ def library_reached(fn) -> str | None:
     name (``torch.ops.aten._scaled_dot_product_flash_attention``); None if it does not."""
     import inspect
 
-    from labkit.core.grading import _first_reached
+    from labkit.core.codereach import first_reached
 
     def library(obj) -> bool:
         module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None) \
             if inspect.isroutine(obj) or inspect.isclass(obj) else None
         return isinstance(module, str) and module.startswith(LIBRARY_MODULES)
 
-    return _first_reached(fn, library, attributes=LIBRARY_OPS)
+    return first_reached(fn, library, attributes=LIBRARY_OPS)
 
 
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
