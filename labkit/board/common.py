@@ -1,9 +1,10 @@
 """What the board's per-assignment modules share (:mod:`labkit.board.specs` is the registry).
 
 :class:`Spec`: one assignment's graded names and its board steps (``own``, ``calls``, ``check``, ``time``, and
-where it has them ``allow`` and ``audit``: see :mod:`labkit.board.specs`); :func:`forbidden`: the library functions no graded function may reach;
-:func:`geomean`; :func:`randn` (inputs from a generator of the board's seed); :func:`compare` (fp32: an absolute
-tolerance; bf16/fp16: the course's 2x rule); :data:`CHECK_DTYPES`; :data:`PEAK_N` (the compute peak's matmul).
+where it has them ``allow`` and ``audit``: see :mod:`labkit.board.specs`); :func:`forbidden`: the library functions
+no graded function may reach; :func:`geomean`; :func:`randn` (inputs from a generator of the board's seed);
+:func:`compare` (fp32: an absolute tolerance; bf16/fp16: the course's 2x rule); :data:`CHECK_DTYPES`; :data:`PEAK_N`
+(the compute peak's matmul).
 
 Used by: :mod:`labkit.board.nb06`, :mod:`labkit.board.nb08`, :mod:`labkit.board.nb09`, :mod:`labkit.board.nb10`.
 """

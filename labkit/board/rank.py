@@ -14,7 +14,8 @@ a GPU (timings must not share it), concurrently with ``jobs`` on a CPU:
   (IPython magics) are dropped.
 - statuses: ``ok``; ``wrong`` (a result off at the check's shapes or after the timing); ``flagged`` (library
   attention, softmax or labkit reached; none of the notebook's own Triton kernels launched; 10: no FP8 MMA in
-  the sm90 compile; a timer, torch or the reference monkey-patched); ``error`` (its last line); ``timeout`` (the process group killed).
+  the sm90 compile; a timer, torch or the reference monkey-patched); ``error`` (its last line); ``timeout`` (the
+  process group killed).
 - score (GPU): :mod:`labkit.board.specs` (06: TFLOP/s over the matmul peak; 08: GB/s over the read ceiling;
   09: TFLOP/s of the work the mask keeps over the matmul peak; 10: TFLOP/s over the measured FP8 GEMM ceiling;
   geometric means over fixed shapes), the best library kernel's score from the same run beside it.

@@ -2,8 +2,9 @@
 
 The boards run on a CPU through Triton's interpreter (correctness only): synthetic submissions made from the
 solution notebooks (tests/support/board_fixture.py), one process per student; the 08, 06, 09 and 10 boards run at once,
-each student in its own process (10's two at a time: each also compiles its kernel for sm90). The student that sleeps past the limit is an 08 board of its own, run beside them with a
-short limit (the limit is what it tests): it no longer holds a worker for the others' generous one.
+each student in its own process (10's two at a time: each also compiles its kernel for sm90). The student that
+sleeps past the limit is an 08 board of its own, run beside them with a short limit (the limit is what it tests): it
+no longer holds a worker for the others' generous one.
 """
 from __future__ import annotations
 
@@ -162,7 +163,8 @@ def test_10_timing_on_a_cpu_scores_against_the_fp8_gemm_ceiling(monkeypatch):
     monkeypatch.setattr(b10, "TIMED", [dict(B=1, H=2, N=80, D=32)])     # 128 x 64 tiles: N not a multiple
     timing = b10.SPEC.time(_namespace("10_fp8_attention", "ok"), 7, torch.device("cpu"), 1.0)
     rows = pd.DataFrame(timing["rows"])
-    assert sorted(rows["causal"]) == [False, True] and set(rows["backend"]) == {"fp8_mine"} and (rows["tflops"] > 0).all()
+    assert sorted(rows["causal"]) == [False, True] and set(rows["backend"]) == {"fp8_mine"}
+    assert (rows["tflops"] > 0).all()
     assert timing["peak_tflops"] == 2e-3, "the fastest FP8 GEMM, not bf16's"
     assert timing["student"]["score"] == pytest.approx(math.sqrt((rows["tflops"] / 2e-3).prod()))
     assert boardreport.library_scores(timing) == {}, "the ceilings are no library kernel"
