@@ -81,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("cp-train", add_help=False,  # its options: python -m labkit cp-train --help (lk.cprun)
                    help="GPT-2 on one long sequence across GPUs (context parallelism, torchrun)")
     board = sub.add_parser("board", help="rank the students' kernels on this GPU (instructors; lk.board)")
-    board.add_argument("assignment", choices=["06_triton_flashattention", "08_decode_attention", "09_flex_attention"],
+    board.add_argument("assignment", choices=["06_triton_flashattention", "08_decode_attention", "09_flex_attention",
+                                              "10_fp8_attention"],
                        help="the assignment whose kernels are ranked")
     board.add_argument("--submitted", type=ca.folder(None, "nbgrader's submitted/ folder", "submitted"),
                        help="folder of <student>/<assignment>/<assignment>.ipynb (submitted/ or autograded/)")

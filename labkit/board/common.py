@@ -1,11 +1,12 @@
 """What the board's per-assignment modules share (:mod:`labkit.board.specs` is the registry).
 
-:class:`Spec`: one assignment's graded names and its board steps (``own``, ``calls``, ``check``, ``time``: see
-:mod:`labkit.board.specs`); :func:`forbidden`: the library functions no graded function may reach;
-:func:`geomean`; :func:`randn` (inputs from a generator of the board's seed); :func:`compare` (fp32: an absolute
-tolerance; bf16/fp16: the course's 2x rule); :data:`CHECK_DTYPES`; :data:`PEAK_N` (the compute peak's matmul).
+:class:`Spec`: one assignment's graded names and its board steps (``own``, ``calls``, ``check``, ``time``, and
+where it has them ``allow`` and ``audit``: see :mod:`labkit.board.specs`); :func:`forbidden`: the library functions
+no graded function may reach; :func:`geomean`; :func:`randn` (inputs from a generator of the board's seed);
+:func:`compare` (fp32: an absolute tolerance; bf16/fp16: the course's 2x rule); :data:`CHECK_DTYPES`; :data:`PEAK_N`
+(the compute peak's matmul).
 
-Used by: :mod:`labkit.board.nb06`, :mod:`labkit.board.nb08`, :mod:`labkit.board.nb09`.
+Used by: :mod:`labkit.board.nb06`, :mod:`labkit.board.nb08`, :mod:`labkit.board.nb09`, :mod:`labkit.board.nb10`.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class Spec:
     calls: Callable[[dict, torch.device], dict[str, Callable[[], object]]]   # tiny calls: must launch kernels
     check: Callable[[dict, int, torch.device], None]
     time: Callable[[dict, int, torch.device, float], dict]
+    allow: tuple = ()   # labkit modules the graded code may call (check_own_code's allow): 10's lk.fp8cast
+    audit: Callable[[dict, torch.device], str | None] | None = None   # why to flag (10: no FP8 MMA), or None
 
 
 def forbidden() -> tuple:

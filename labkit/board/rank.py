@@ -15,11 +15,12 @@ on a CPU; ``--shard K/N`` runs a machine's share of the class and ``--merge`` jo
   demos, prints and measurements between the exercises never run. Lines starting with ``%`` or ``!``
   (IPython magics) are dropped.
 - statuses: ``ok``; ``wrong`` (a result off at the check's shapes or after the timing); ``flagged`` (library
-  attention, softmax or labkit reached; none of the notebook's own Triton kernels launched; a timer, torch or
-  the reference monkey-patched); ``error`` (its last line); ``timeout`` (the process group killed).
+  attention, softmax or labkit reached; none of the notebook's own Triton kernels launched; 10: no FP8 MMA in
+  the sm90 compile; a timer, torch or the reference monkey-patched); ``error`` (its last line); ``timeout`` (the
+  process group killed).
 - score (GPU): :mod:`labkit.board.specs` (06: TFLOP/s over the matmul peak; 08: GB/s over the read ceiling;
-  09: TFLOP/s of the work the mask keeps over the matmul peak; geometric means over fixed shapes), the best
-  library kernel's score from the same run beside it.
+  09: TFLOP/s of the work the mask keeps over the matmul peak; 10: TFLOP/s over the measured FP8 GEMM ceiling;
+  geometric means over fixed shapes), the best library kernel's score from the same run beside it.
   ``--cpu`` (or no GPU): Triton's interpreter, every status but no score.
 
 Output: ``OUT/board.csv`` (student, status, detail, score, ...), ``OUT/board.html`` (the ranked table and a bar

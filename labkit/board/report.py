@@ -24,7 +24,11 @@ WHAT = {"06_triton_flashattention": "TFLOP/s over the measured matmul peak (bf16
         "08_decode_attention": "GB/s over the measured read ceiling (bf16, H_q 32, H_kv 8, d 128), geometric mean "
                                "over (B, N) = (1, 4K), (1, 16K), (1, 64K), (8, 8K), split-KV contiguous and paged",
         "09_flex_attention": "TFLOP/s of the work the mask keeps over the measured matmul peak (bf16, H 16, d 128), "
-                             "forward, geometric mean over N = 4K/8K/16K and masks causal, window 1024, 16 documents"}
+                             "forward, geometric mean over N = 4K/8K/16K and masks causal, window 1024, 16 documents",
+        "10_fp8_attention": "TFLOP/s (causal counted at half) over the measured FP8 GEMM ceiling (the fastest "
+                            "torch._scaled_mm, e4m3, 8192^3; never the bf16 matmul's), forward on e4m3 inputs with "
+                            "per-tensor descales, 128 x 64 tiles, geometric mean over d = 128/64, N = 4K/8K/16K "
+                            "(B*N = 16K tokens, H*d = 2048), causal and not"}
 
 
 def ranked(table: pd.DataFrame) -> pd.DataFrame:

@@ -14,14 +14,16 @@ after its cells: the runtime under the students' limits, before any student runs
    address space far beyond its use, so ``RLIMIT_AS`` cannot cap it).
 2. A snapshot of what a submission could patch to look fast or right: SDPA and the softmaxes, the timers
    (``triton.testing.do_bench``, CUDA events and graphs, ``time.perf_counter``), and every function of
-   labkit's timing, reference and grading modules and of the board's (:mod:`labkit.board.specs`).
+   labkit's timing, reference and grading modules and of the board's (:mod:`labkit.board.specs`; for 10 also
+   notebook 10's kernel checks, the sm90 compiler's and the FP8 sweep and GEMM ceilings).
 3. The cells, in one namespace named ``__main__`` (as a notebook kernel's); each compiled under its own
    file name kept in ``linecache``, as IPython does, so ``inspect`` and ``@triton.jit`` read its source.
    A cell that raises -> ``error`` (its exception's last line).
 4. The snapshot again (-> ``flagged``); the graded names defined (-> ``error``); their code checked by
-   :func:`labkit.core.grading.check_own_code` (no labkit, SDPA or softmax) and :func:`library_reached` (no flash-attn,
-   FlashInfer, xFormers, flex attention or SDPA's kernel ops) (-> ``flagged``); a tiny call of each
-   must launch a Triton kernel defined in the notebook (:func:`labkit.tritonlab.mode.launches`, -> ``flagged``).
+   :func:`labkit.core.grading.check_own_code` (no labkit but the spec's ``allow``, SDPA or softmax) and
+   :func:`library_reached` (no flash-attn, FlashInfer, xFormers, flex attention or SDPA's kernel ops) (-> ``flagged``);
+   a tiny call of each must launch a Triton kernel defined in the notebook (:func:`labkit.tritonlab.mode.launches`,
+   -> ``flagged``); the spec's ``audit`` (10: FP8 MMA in the sm90 compile, -> ``flagged``).
 5. The assignment's check on fresh inputs (:mod:`labkit.board.specs`, AssertionError -> ``wrong``), its graded
    calls watched (:mod:`labkit.board.runs`: a library softmax or attention operator or a torch matrix product run,
    however it was looked up, or no kernel of the notebook launched -> ``flagged``), then, on a GPU, its timing,
@@ -60,6 +62,10 @@ def _guarded() -> dict[str, object]:
     from labkit.decoding import decode, graphtime, readbw
     from labkit.flex import bench as flexbench, lib as flexlib
     from labkit.board import common as boardcommon, nb06 as boardshapes06, nb08 as boardshapes08, nb09 as boardshapes09
+    from labkit.board import nb10 as boardshapes10
+    from labkit.checks import nb10_kernel
+    from labkit.fp8 import bench as fp8bench, ceilings as fp8ceilings
+    from labkit.tritonlab import compile as tritoncompile
 
     found = {f"{owner.__name__}.{name}": getattr(owner, name) for owner, name in [
         (F, "scaled_dot_product_attention"), (F, "softmax"), (torch, "softmax"), (torch.Tensor, "softmax"),
@@ -68,8 +74,9 @@ def _guarded() -> dict[str, object]:
         (torch.Tensor, "double"), (torch.autograd, "grad"), (torch.cuda, "synchronize"), (torch.cuda.Event, "record"),
         (torch.cuda.Event, "elapsed_time"), (torch.cuda.CUDAGraph, "replay"), (time, "perf_counter"),
         (triton.testing, "do_bench"), (JITFunction, "run"), (Autotuner, "run")]}
-    for module in (attention, bench, boardcommon, boardshapes06, boardshapes08, boardshapes09, decode, flexbench,
-                   flexlib, grading, graphtime, measure, readbw, tritonmode):
+    for module in (attention, bench, boardcommon, boardshapes06, boardshapes08, boardshapes09, boardshapes10, decode,
+                   flexbench, flexlib, fp8bench, fp8ceilings, grading, graphtime, measure, nb10_kernel, readbw,
+                   tritoncompile, tritonmode):
         found.update({f"{module.__name__}.{name}": obj for name, obj in vars(module).items()
                       if callable(obj) and not isinstance(obj, type) and not name.startswith("__")})
     return found
@@ -121,7 +128,7 @@ def _limit_memory(job: dict, device: torch.device) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (int((gb or 16) * 2**30), resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
-LIBRARY_MODULES = ("flash_attn", "flashinfer", "xformers", "torch.nn.attention", "labkit")
+LIBRARY_MODULES = ("flash_attn", "flashinfer", "xformers", "torch.nn.attention")   # labkit: check_own_code's
 LIBRARY_OPS = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
                "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flex_attention"}
@@ -133,14 +140,14 @@ def library_reached(fn) -> str | None:
     name (``torch.ops.aten._scaled_dot_product_flash_attention``); None if it does not."""
     import inspect
 
-    from labkit.core.grading import _first_reached
+    from labkit.core.codereach import first_reached
 
     def library(obj) -> bool:
         module = obj.__name__ if inspect.ismodule(obj) else getattr(obj, "__module__", None) \
             if inspect.isroutine(obj) or inspect.isclass(obj) else None
         return isinstance(module, str) and module.startswith(LIBRARY_MODULES)
 
-    return _first_reached(fn, library, attributes=LIBRARY_OPS)
+    return first_reached(fn, library, attributes=LIBRARY_OPS)
 
 
 def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> dict | None:
@@ -154,7 +161,7 @@ def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> di
         raise Verdict("error", f"the notebook defines no {', '.join(missing)}")
     for label, fn in spec.own(ns).items():
         try:
-            grading.check_own_code(fn, name=label, forbid=forbidden())
+            grading.check_own_code(fn, name=label, forbid=forbidden(), allow=spec.allow)
         except AssertionError as err:
             raise Verdict("flagged", f"{label}: calls a library attention, softmax or labkit: "
                                      f"{str(err).splitlines()[0][:200]}") from None
@@ -165,6 +172,8 @@ def _checks(spec, ns: dict, job: dict, device: torch.device, before: dict) -> di
             call()
         if not sum(launched.values()):
             raise Verdict("flagged", f"{label} launched none of the notebook's own Triton kernels")
+    if spec.audit and (why := spec.audit(ns, device)):
+        raise Verdict("flagged", why)
     if (changed := _tampered(before)):
         raise Verdict("flagged", changed)
     try:

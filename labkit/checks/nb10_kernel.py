@@ -25,8 +25,6 @@ HALF_SPACING = 2.0 ** -4      # e4m3 normals: 3 mantissa bits, rounding moves x 
 HALF_SUBNORMAL = 2.0 ** -10   # below 2^-6 the spacing is 2^-9: rounding (or flushing to 0) moves x by <= 2^-10
 KERNEL = "_fp8_fwd_kernel"
 FORBID = (F.scaled_dot_product_attention, torch.softmax, F.softmax, torch.Tensor.softmax)
-ALLOWED = ("labkit", cast.__name__, cast.exact)               # lk itself, lk.fp8cast.to_e4m3 and exact: given
-ATTENTION_NAMES = {"attention", "reference_attention", "flexlib", "flex_attention", *(f.__name__ for f in FORBID)}
 CASES = [  # (what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, reverse)
     ("N = 40, Nk = 56, per-block descales, p_scale 256", 1, 4, 2, 40, 56, 32, False, True, 256.0, False),
     ("causal N = 40, Nk = 56, per-tensor descales, p_scale 1, reverse", 1, 4, 2, 40, 56, 32, True, False, 1.0, True),
@@ -131,16 +129,13 @@ def _run(fp8_attention, what, B, Hq, Hkv, N, Nk, D, causal, per_block, p_scale, 
 
 
 def own_code(fp8_attention) -> None:
-    """fp8_attention is the student's own: no SDPA, no softmax of torch, no labkit but lk.fp8cast (the cast the
-    exercise gives), and it launches _fp8_fwd_kernel."""
+    """fp8_attention is the student's own: no SDPA, softmax of torch or flex_attention, no labkit but lk.fp8cast (the
+    cast the exercise gives; :func:`labkit.core.grading.check_own_code` with ``allow``), and it launches
+    _fp8_fwd_kernel."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     name = "fp8_attention：自己的 Triton 核心"
-    read = sorted(grading._attributes_read(fp8_attention) & ATTENTION_NAMES)   # lk.attention..., x.softmax
-    reached = grading._first_reached(fp8_attention, lambda obj: any(obj is f for f in FORBID) or (
-        grading._is_labkit(obj) and not any(obj is a or getattr(obj, "__name__", None) == a for a in ALLOWED)))
-    grading.check_true(not read and not reached, name=name,
-                       detail=f"fp8_attention 用到了 {read or reached}：這個練習要在自己的 Triton 核心裡算注意力。",
-                       hint="labkit 只能用 lk.fp8cast（核心裡 lk.fp8cast.to_e4m3(p, EXACT)，主機端 EXACT=lk.fp8cast.exact()）；"
-                            "不要呼叫 F.scaled_dot_product_attention、flex_attention、torch.softmax 或 lk.attention。")
+    grading.check_own_code(fp8_attention, name=name, forbid=FORBID + (flex_attention,), allow=(cast,))
     with tritonmode.launches() as launched:
         _run(fp8_attention, "一個小例子", 1, 2, 1, 20, 20, 32, False, False, 256.0, False)
     grading.check_true(launched[KERNEL] >= 1, name=name, detail=f"沒有啟動 {KERNEL}（啟動紀錄：{dict(launched)}）。",

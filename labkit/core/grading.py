@@ -7,15 +7,13 @@ Used in: every notebook's test cells.
 """
 from __future__ import annotations
 
-import io
 import math
 import numbers
-import re
-import textwrap
-import tokenize
 from typing import Callable
 
 import torch
+
+from labkit.core import codereach
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -185,18 +183,23 @@ def answered(needs: dict[str, Callable[[], object]]) -> bool:
     return not todo
 
 
-def check_own_code(fn: Callable, *, name: str, forbid: tuple = ()) -> None:
+def check_own_code(fn: Callable, *, name: str, forbid: tuple = (), allow: tuple = ()) -> None:
     """``fn`` is the student's own code: it calls no labkit, nor the library functions in ``forbid``.
 
     labkit: the source names no ``lk`` or ``labkit``, and nothing ``fn`` reaches (the globals it
     loads, its closure and defaults, and, through them, the functions defined beside it) is a labkit
     module, function or class, however it was imported or renamed (``from labkit.perf.memory import
-    training_memory as tm`` in another cell).
+    training_memory as tm`` in another cell); see :mod:`labkit.core.codereach`.
 
     ``forbid``: library functions or classes the exercise asks the student to write
     (``torch.softmax``, ``F.scaled_dot_product_attention``, ``F.layer_norm``). ``fn`` may neither
     reach one of them under any name nor read an attribute of that name (``x.softmax(-1)``,
     ``torch.nn.functional.layer_norm``).
+
+    ``allow``: labkit modules or functions the exercise gives, that are no library attention (notebook 10's
+    ``lk.fp8cast``, the e4m3 cast its kernel needs). ``fn`` may reach them (``lk.fp8cast.exact()``, or a name
+    bound to one; a given module: its functions too) and nothing else of labkit: ``lk`` in the source is read
+    through the attributes the code takes of it (``lk.attention.flops`` fails, as does a bare ``getattr(lk, ...)``).
     """
     import inspect
 
@@ -204,107 +207,23 @@ def check_own_code(fn: Callable, *, name: str, forbid: tuple = ()) -> None:
         source = inspect.getsource(fn)
     except (OSError, TypeError):
         _fail(name, "找不到函式原始碼；請在 notebook 的儲存格中定義它。")
-    reached = _first_reached(fn, _is_labkit)
-    if {"labkit", "lk"} & _names(source) or reached:
-        _fail(name, "此練習要求自行實作：函式內不可呼叫 labkit（lk.*）" + (f"（經由 {reached}）。" if reached else "。"),
+    given = [a.__name__ if inspect.ismodule(a) else f"{a.__module__}.{a.__name__}" for a in allow]
+
+    def labkit(obj) -> bool:   # labkit, less what the exercise gives (a given module's functions and classes too)
+        if not codereach.is_labkit(obj):
+            return False
+        home = obj.__name__ if inspect.ismodule(obj) else getattr(getattr(obj, "__func__", obj), "__module__", None)
+        return not any(obj is a or (inspect.ismodule(a) and home == a.__name__) for a in allow)
+
+    unfold = (lambda m: inspect.ismodule(m) and labkit(m)) if allow else None   # lk: what the code takes of it
+    reached = codereach.first_reached(fn, labkit, unfold=unfold)
+    if ({"labkit"} if allow else {"labkit", "lk"}) & codereach.names(source) or reached:
+        but = f"（練習給定的 {', '.join(given)} 除外）" if given else ""
+        _fail(name, f"此練習要求自行實作：函式內不可呼叫 labkit（lk.*）{but}" + (f"（經由 {reached}）。" if reached else "。"),
               "labkit 的版本只用來檢查答案；請用 torch 寫出計算步驟。")
     if forbid:
-        names = {getattr(f, "__name__", str(f)) for f in forbid}
-        banned = _first_reached(fn, lambda obj: any(obj is f for f in forbid), attributes=names)
+        banned_names = {getattr(f, "__name__", str(f)) for f in forbid}
+        banned = codereach.first_reached(fn, lambda obj: any(obj is f for f in forbid), attributes=banned_names)
         if banned:
-            _fail(name, f"此練習要求自己寫出這個計算：不可呼叫 {', '.join(sorted(names))}（經由 {banned}）。",
+            _fail(name, f"此練習要求自己寫出這個計算：不可呼叫 {', '.join(sorted(banned_names))}（經由 {banned}）。",
                   "這些函式正是練習要你寫的東西；請用 exp、max、sum、矩陣乘法等基本運算自己組出來。")
-
-
-def _is_labkit(obj) -> bool:
-    """A labkit module, or a function, method or class defined in labkit (instances do not count)."""
-    import inspect
-
-    if inspect.ismodule(obj):
-        module = obj.__name__
-    elif inspect.isroutine(obj) or inspect.isclass(obj):
-        module = getattr(getattr(obj, "__func__", obj), "__module__", None) or ""
-    else:
-        return False
-    return module == "labkit" or module.startswith("labkit.")
-
-
-def _first_reached(fn: Callable, matches: Callable[[object], bool], *, attributes: set[str] = frozenset(),
-                   seen: set | None = None) -> str | None:
-    """The name by which ``fn`` reaches an object for which ``matches`` is true, or reads an attribute
-    named in ``attributes`` (``torch.softmax``, ``x.softmax``); None if it does neither.
-
-    Follows the globals its code loads (``LOAD_GLOBAL``/``LOAD_NAME``, nested code included:
-    attribute names such as ``x.shape`` are not globals), its closure cells and defaults, and
-    recurses into plain functions defined in ``fn``'s own module (a helper in another notebook cell)."""
-    import inspect
-
-    fn = getattr(fn, "__func__", fn)  # bound and static methods
-    seen = set() if seen is None else seen
-    if not inspect.isfunction(fn) or fn in seen:
-        return None
-    seen.add(fn)
-    read = _attributes_read(fn) & set(attributes)
-    if read:
-        return f".{sorted(read)[0]}"
-    found = loaded_globals(fn)
-    for i, cell in enumerate(fn.__closure__ or ()):
-        try:
-            found[fn.__code__.co_freevars[i]] = cell.cell_contents
-        except ValueError:  # an empty cell
-            pass
-    defaults = list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
-    found.update({f"<default {i}>": value for i, value in enumerate(defaults)})
-    for label, obj in found.items():
-        if matches(obj):
-            return label
-        if inspect.isfunction(obj) and obj.__module__ == fn.__module__:
-            inner = _first_reached(obj, matches, attributes=attributes, seen=seen)
-            if inner:
-                return f"{label} -> {inner}"
-    return None
-
-
-def _code_objects(fn: Callable) -> list:
-    """``fn``'s code object and every code object nested in it (lambdas, comprehensions, inner defs)."""
-    import inspect
-
-    codes, todo = [], [fn.__code__]
-    while todo:
-        code = todo.pop()
-        codes.append(code)
-        todo += [c for c in code.co_consts if inspect.iscode(c)]
-    return codes
-
-
-def loaded_globals(fn: Callable) -> dict:
-    """The globals ``fn``'s code (nested code included) reads, by name, with their current values."""
-    import dis
-
-    return {ins.argval: fn.__globals__[ins.argval] for code in _code_objects(fn) for ins in dis.get_instructions(code)
-            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval in fn.__globals__}
-
-
-def _attributes_read(fn: Callable) -> set[str]:
-    """Attribute names ``fn``'s code reads (``x.softmax``, ``torch.nn.functional.layer_norm``, and
-    ``from torch.nn.functional import layer_norm as ln`` inside ``fn``)."""
-    import dis
-
-    return {ins.argval for code in _code_objects(fn) for ins in dis.get_instructions(code)
-            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "IMPORT_FROM")}
-
-
-def _names(source: str) -> set[str]:
-    """Identifiers in ``source``, plus "labkit" for a string literal that names a labkit module
-    (``__import__("labkit.perf.memory")``); comments, other strings and names such as ``q_blk`` do
-    not count as lk."""
-    names = set()
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(source)).readline):
-            if tok.type == tokenize.NAME:
-                names.add(tok.string)
-            elif tok.type == tokenize.STRING and re.fullmatch(r"[rbuRBU]*(['\"])labkit(\.\w+)*\1", tok.string):
-                names.add("labkit")
-    except (tokenize.TokenError, IndentationError):  # e.g. a lambda cut out of a longer line
-        pass
-    return names

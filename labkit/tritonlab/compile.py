@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from labkit.core import grading
+from labkit.core import codereach, grading
 from labkit.tritonlab import mode as tritonmode
 
 ARCHS = {80: "sm80 (Ampere)", 90: "sm90 (Hopper)"}
@@ -142,7 +142,7 @@ def _module_source(kernels: list[Callable]) -> str:
         if fn in done:
             return
         done.add(fn)
-        for name, value in grading.loaded_globals(fn).items():
+        for name, value in codereach.loaded_globals(fn).items():
             helper = _python_function(value)
             if helper is not None:
                 emit(helper)

@@ -205,6 +205,16 @@ def test_bad_input_answers_one_line_with_exit_status_2(argv, says, tmp_path, mon
     assert sorted(tmp_path.rglob("*")) == before, "nothing is written for a bad command"
 
 
+def test_the_board_offers_every_assignment_it_ranks():
+    """The command line names the board's assignments itself (the board is not in the student bundle, so the
+    parser cannot import it): they must be the board's registry, 10_fp8_attention included."""
+    from labkit.__main__ import _parser
+    from labkit.board.specs import SPECS
+
+    choices = next(a.choices for a in _parser().commands["board"]._actions if a.dest == "assignment")
+    assert list(choices) == list(SPECS) and "10_fp8_attention" in choices
+
+
 @pytest.mark.parametrize("command", [["doctor"], ["bench"], ["execute"], ["reference"], ["bundle"],
                                      ["longctx", "compare"], ["longctx", "search"], ["cp-train"],
                                      ["board"]])

@@ -13,7 +13,11 @@ nbgrader's layout, ``ROOT/<student>/<assignment>/<assignment>.ipynb``. Each vari
 - Weaker, still right, for the GPU ranking: 08 ``nosplit`` (decode_split and paged_decode launch one split),
   06 ``noskip`` (the causal forward masks the tiles above the diagonal instead of skipping them) and ``smalltiles``
   (the forward tries one small tile, 32 x 16, instead of its tuned list), 09 ``dense``
-  (the forward reads every key block as a partial one: the mask rule keeps it right, no block is skipped).
+  (the forward reads every key block as a partial one: the mask rule keeps it right, no block is skipped), 10
+  ``noskip`` (as 06's).
+- 10: ``wrong`` leaves v's descale out (o off by ~100x); ``bf16`` widens q, k, P and v to bf16 before both
+  ``tl.dot`` (right, since bf16 holds every e4m3 value, but no FP8 MMA: ``flagged`` by the sm90 compile);
+  ``flagged`` returns SDPA's o (of the e4m3 values, the descales left out: the name check stops it first).
 
 GPU check: ``python tests/gpu/board_gpu.py`` (:data:`GPU_STUDENTS`: the solution, the weaker variant, and what
 must be flagged or wrong, as compiled kernels).
@@ -93,6 +97,20 @@ VARIANTS = {
         "smalltiles": [("    [(128, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4), (128, 64, 4, 7)],\n",
                         "    [(32, 16, 4, 1)],                                          # one small tile, untuned\n")],
     },
+    "10_fp8_attention": {
+        "ok": [],
+        "wrong": [("acc = acc * alpha[:, None] + tl.dot(p8, v) * tl.load(vd_base + j)",
+                   "acc = acc * alpha[:, None] + tl.dot(p8, v)")],                        # v's descale left out
+        "bf16": [("s = tl.dot(q, kt) * (q_scale", "s = tl.dot(q.to(tl.bfloat16), kt.to(tl.bfloat16)) * (q_scale"),
+                 ("tl.dot(p8, v) * tl.load(vd_base + j)",
+                  "tl.dot(p8.to(tl.bfloat16), v.to(tl.bfloat16)) * tl.load(vd_base + j)")],
+        "flagged": [("    return o, lse\n",
+                     "    o = torch.nn.functional.scaled_dot_product_attention(q8.float(), k8.float(), v8.float(),\n"
+                     "                                                         enable_gqa=True).to(o.dtype)\n"
+                     "    return o, lse\n")],
+        "noskip": [("        hi = tl.maximum(tl.minimum(N_K, tile_m * BLOCK_M + BLOCK_M + N_K - N_Q), 0)\n",
+                    "        hi = N_K                                                # no tile skipped\n")],
+    },
     "09_flex_attention": {
         "ok": [],
         "wrong": [("(acc / l_safe[:, None])", "(acc / (l_safe[:, None] + 1.0))")],
@@ -107,7 +125,8 @@ VARIANTS = {
 }
 GPU_STUDENTS = {"08_decode_attention": ["ok", "nosplit", "wrong", "flagged", "lookup", "matmul", "small"],
                 "06_triton_flashattention": ["ok", "noskip", "smalltiles", "flagged"],
-                "09_flex_attention": ["ok", "dense", "wrong", "flagged"]}
+                "09_flex_attention": ["ok", "dense", "wrong", "flagged"],
+                "10_fp8_attention": ["ok", "noskip", "wrong", "bf16", "flagged"]}
 
 
 def variant(assignment: str, name: str) -> dict:

@@ -1,9 +1,10 @@
 """Tests for the speed-of-light board (``labkit.board.rank``, ``boardrun``, ``boardshapes``, ``boardreport``).
 
 The boards run on a CPU through Triton's interpreter (correctness only): synthetic submissions made from the
-solution notebooks (tests/support/board_fixture.py), one process per student; the 08, 06 and 09 boards run at once, each
-student in its own process. The student that sleeps past the limit is an 08 board of its own, run beside them with a
-short limit (the limit is what it tests): it no longer holds a worker for the others' generous one.
+solution notebooks (tests/support/board_fixture.py), one process per student; the 08, 06, 09 and 10 boards run at once,
+each student in its own process (10's two at a time: each also compiles its kernel for sm90). The student that
+sleeps past the limit is an 08 board of its own, run beside them with a short limit (the limit is what it tests): it
+no longer holds a worker for the others' generous one.
 """
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ SLEEPER_LIMIT = 30   # s, the sleeper's board: its probe (the setup cell, ~5 s a
 CHEATS = ("lookup", "matmul", "small")   # 08's decode_split: SDPA by a built name, torch.matmul, a kernel for small inputs
 STUDENTS = {"08_decode_attention": ["ok", "wrong", "flagged", "error", "tamper", *CHEATS],
             "06_triton_flashattention": ["ok", "wrong", "flagged", "pytorch"],
-            "09_flex_attention": ["ok", "wrong", "flagged"]}
+            "09_flex_attention": ["ok", "wrong", "flagged"],
+            "10_fp8_attention": ["ok", "wrong", "bf16", "flagged"]}
+JOBS = {"10_fp8_attention": 2}   # students at once (default: all of a board's)
+FLAGGED = ("tamper", "pytorch", "bf16", *CHEATS)   # students whose status is flagged, besides "flagged"
 LIBRARY = {"08_decode_attention": "scaled_dot_product_attention",
-           "06_triton_flashattention": "scaled_dot_product_attention", "09_flex_attention": "flex_attention"}
+           "06_triton_flashattention": "scaled_dot_product_attention", "09_flex_attention": "flex_attention",
+           "10_fp8_attention": "scaled_dot_product_attention"}
 TAMPER = ("class PageAllocator:\n", "import labkit.core.measure\n\nlabkit.core.measure.time_interleaved = "
                                     "lambda fns, **kwargs: ({}, {})\n\n\nclass PageAllocator:\n")
 
@@ -46,7 +51,7 @@ def boards(tmp_path_factory):
     (folder / "08_decode_attention.ipynb").write_text(json.dumps(tamper), encoding="utf-8")
     with concurrent.futures.ThreadPoolExecutor(len(STUDENTS) + 1) as pool:
         runs = {a: pool.submit(board.board, a, root / "submitted" / a, root / a, seed=7, timeout=LIMIT, gpu=False,
-                               jobs=len(STUDENTS[a])) for a in STUDENTS}
+                               jobs=JOBS.get(a, len(STUDENTS[a]))) for a in STUDENTS}
         runs["sleeper"] = pool.submit(board.board, "08_decode_attention", root / "sleeper", root / "sleeper_board",
                                       seed=7, timeout=SLEEPER_LIMIT, gpu=False)
         return {a: (run.result().set_index("student"), root / ("sleeper_board" if a == "sleeper" else a))
@@ -56,7 +61,7 @@ def boards(tmp_path_factory):
 @pytest.mark.parametrize("assignment", list(STUDENTS))
 def test_each_submission_gets_its_status(boards, assignment):
     table, out = boards[assignment]
-    expected = {s: ("flagged" if s in ("tamper", "pytorch", *CHEATS) else s) for s in STUDENTS[assignment]}
+    expected = {s: ("flagged" if s in FLAGGED else s) for s in STUDENTS[assignment]}
     assert table["status"].to_dict() == expected, table[["status", "detail"]].to_string()
     assert table.loc["ok", "detail"] == ""
     assert LIBRARY[assignment] in table.loc["flagged", "detail"]
@@ -107,6 +112,62 @@ def test_08_each_log_holds_its_own_run(boards):
     assert logs["wrong"].rstrip().splitlines()[-1].startswith("--- board: wrong: ")
     assert logs["timeout"].rstrip().splitlines()[-1] == f"--- board: timeout: past the {SLEEPER_LIMIT} s limit"
     assert len(set(logs.values())) == len(logs), "no two students' logs are the same"
+
+
+def test_10_statuses_name_their_cause(boards):
+    detail = boards["10_fp8_attention"][0]["detail"]
+    assert detail["bf16"].startswith("fp8_attention: no FP8 MMA") and ".bf16.bf16" in detail["bf16"], detail["bf16"]
+    assert "e4m3 bound" in detail["wrong"] and "per-tile descales" in detail["wrong"], detail["wrong"]
+
+
+def _namespace(assignment: str, student: str) -> dict:
+    from labkit.board import worker as boardrun
+
+    ns = {"__name__": "__main__", "display": lambda *args, **kwargs: None}
+    boardrun._run_cells(board.cells_to_run(variant(assignment, student), boardshapes.SPECS[assignment].graded), ns)
+    return ns
+
+
+def test_10_a_kernel_widened_to_bf16_is_right_and_flagged_by_its_compile_alone():
+    """The bf16 variant passes the board's check (bf16 holds every e4m3 value); only the sm90 compile tells it from
+    FP8 attention: the audit names the bf16 MMA it found, and finds nothing to say of the solution."""
+    import torch
+
+    spec, cpu = boardshapes.SPECS["10_fp8_attention"], torch.device("cpu")
+    widened = _namespace("10_fp8_attention", "bf16")   # one at a time: the cells' source is read from linecache
+    spec.check(widened, 11, cpu)
+    assert ".bf16.bf16" in (spec.audit(widened, cpu) or "")
+    assert spec.audit(_namespace("10_fp8_attention", "ok"), cpu) is None
+
+
+def test_10_runs_the_kernel_and_its_helpers_not_the_sweep():
+    nb = json.loads((ROOT / "solutions/10_fp8_attention/10_fp8_attention.ipynb").read_text(encoding="utf-8"))
+    sources = "\n".join(c["source"] for c in board.cells_to_run(nb, boardshapes.SPECS["10_fp8_attention"].graded))
+    assert "def fp8_attention" in sources and "def _fp8_fwd_kernel" in sources and "def quantize_per_tensor" in sources
+    assert "fp8bench.sweep" not in sources and "gemm_ceiling" not in sources and "fp8study.run" not in sources
+
+
+def test_10_timing_on_a_cpu_scores_against_the_fp8_gemm_ceiling(monkeypatch):
+    """The 10 board's timing end to end at a toy size (the interpreter, no library kernel): TFLOP/s of the student's
+    rows over the FP8 GEMM ceiling (the fastest FP8 variant, never the bf16 matmul), then the recheck."""
+    import torch
+
+    from labkit.board import nb10 as b10
+    from labkit.fp8 import bench as fp8bench, ceilings
+
+    roofs = {"n": 256, "device": "cpu", "tflops": {ceilings.BF16: 1e-2, "fp8_tensorwise": 2e-3, "fp8_rowwise": 1e-3,
+                                                  "fp8_tensorwise_fast_accum": None, "fp8_rowwise_fast_accum": None},
+             "status": {}}
+    monkeypatch.setattr(ceilings, "gemm_ceiling", lambda *args, **kwargs: roofs)
+    monkeypatch.setattr(fp8bench, "LIBRARY", ())
+    monkeypatch.setattr(b10, "TIMED", [dict(B=1, H=2, N=80, D=32)])     # 128 x 64 tiles: N not a multiple
+    timing = b10.SPEC.time(_namespace("10_fp8_attention", "ok"), 7, torch.device("cpu"), 1.0)
+    rows = pd.DataFrame(timing["rows"])
+    assert sorted(rows["causal"]) == [False, True] and set(rows["backend"]) == {"fp8_mine"}
+    assert (rows["tflops"] > 0).all()
+    assert timing["peak_tflops"] == 2e-3, "the fastest FP8 GEMM, not bf16's"
+    assert timing["student"]["score"] == pytest.approx(math.sqrt((rows["tflops"] / 2e-3).prod()))
+    assert boardreport.library_scores(timing) == {}, "the ceilings are no library kernel"
 
 
 def test_cells_to_run_skip_tests_demos_and_everything_after_the_kernels():

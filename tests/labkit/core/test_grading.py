@@ -288,6 +288,50 @@ def test_check_own_code_accepts_the_computation_written_out():
     G.check_own_code(softmax_by_function, name="softmax")  # nothing forbidden: only labkit is refused
 
 
+# ----------------------------------------------------------------------------- check_own_code(allow=...)
+GIVEN = (lk.fp8cast,)   # notebook 10's given cast: a labkit module an answer may call
+given_cast = lk.fp8cast.exact   # bound in another cell, under another name
+
+
+def uses_the_given_cast(x):
+    return x * lk.fp8cast.exact() + lk.fp8cast.exact.__doc__.count("e4m3") * 0
+
+
+def uses_the_given_cast_renamed(x):
+    return x * given_cast()
+
+
+def uses_the_cast_and_attention(x):
+    return lk.fp8cast.exact() and lk.attention.flops(1, 1, x, 8)
+
+
+def reaches_lk_bare(x):
+    return getattr(lk, "attention").flops(1, 1, x, 8)
+
+
+def keeps_a_module_of_lk(x):
+    engine = lk.engine
+    return engine.attention.flops(1, 1, x, 8)
+
+
+def imports_labkit_inside(x):
+    import labkit
+    return labkit.fp8cast.exact()
+
+
+def test_check_own_code_allows_only_what_the_exercise_gives():
+    G.check_own_code(uses_the_given_cast, name="fp8", allow=GIVEN)
+    G.check_own_code(uses_the_given_cast_renamed, name="fp8", allow=GIVEN)
+    G.check_own_code(uses_the_given_cast_renamed, name="fp8", allow=(lk.fp8cast.exact,))   # one function given
+    assert "不可呼叫 labkit" in fails(G.check_own_code, uses_the_given_cast, name="fp8"), "nothing given: refused"
+    for fn, route in [(uses_the_cast_and_attention, "lk.attention.flops"), (reaches_lk_bare, "（經由 lk）"),
+                      (keeps_a_module_of_lk, "lk.engine"), (through_a_helper, "renamed_function")]:
+        msg = fails(G.check_own_code, fn, name="fp8", allow=GIVEN)
+        assert "labkit.fp8.cast 除外" in msg and route in msg, msg
+    assert "不可呼叫 labkit" in fails(G.check_own_code, imports_labkit_inside, name="fp8", allow=GIVEN)
+    assert ".softmax" in fails(G.check_own_code, softmax_by_method, name="fp8", forbid=FORBID, allow=GIVEN)
+
+
 def test_spare_rows_catch_a_write_past_the_output_and_name_how_many():
     """with_spare_rows hands out a view whose buffer continues with SPARE rows; check_spare_rows fails (in
     Chinese, with the count) once anything past the output's rows changed, and passes when nothing did."""
