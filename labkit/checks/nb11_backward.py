@@ -46,7 +46,8 @@ def own_code(backward) -> None:
     """backward is the student's: no SDPA, no autograd, not the given atomic backward; it launches a Triton kernel
     defined in the notebook."""
     name = f"{NAME}：自己的 Triton 核心"
-    reached = grading._first_reached(backward, lambda obj: any(obj is f for f in FORBID))
+    reached = grading._first_reached(backward, lambda obj: any(obj is f for f in FORBID),
+                                       attributes={"atomic_backward", "scaled_dot_product_attention"})
     grading.check_true(not reached, name=name, detail=f"{NAME} 用到了 {reached}。",
                        hint="這個練習要你寫自己的核心：不要呼叫 lk.detbackward.atomic_backward、SDPA 或 torch.autograd.grad。")
     args, _ = _inputs(1, 1, 20, 20, 16, False)
