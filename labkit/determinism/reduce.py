@@ -1,10 +1,9 @@
-"""A sum over many programs, two ways: floating-point atomics (the order the programs run decides the bits) and fixed
-slots combined in a fixed order (one answer, whatever the order).
+"""A sum over many programs by floating-point atomics (the order the programs run decides the bits), and the tools
+that show it.
 
 Each program of a launch sums its own block of ``x`` in fp32. :func:`atomic_sum` adds that partial into one fp32 cell
-with ``tl.atomic_add``: every addition rounds, so the total depends on the order the programs arrive in.
-:func:`slot_sum` stores each partial in slot ``pid`` (no program writes another's slot), then one program adds the
-slots in index order: the same additions in the same order, whatever order the first launch ran in.
+with ``tl.atomic_add``: every addition rounds, so the total depends on the order the programs arrive in (notebook 11's
+exercise 1 writes the other way: fixed slots added in a fixed order).
 :func:`distinct_over_orders` runs a function under several program orders of the interpreter
 (:func:`labkit.tritonlab.order.program_order`), or several times on a GPU, and keeps the distinct results.
 
@@ -30,36 +29,10 @@ def _atomic_sum_kernel(x_ptr, total_ptr, n, BLOCK: tl.constexpr):
     tl.atomic_add(total_ptr, part)
 
 
-@triton.jit
-def _slot_kernel(x_ptr, slots_ptr, n, BLOCK: tl.constexpr):
-    """One program per block of x: its fp32 partial stored in its own slot, slots[program id]."""
-    pid = tl.program_id(0)
-    lanes = pid * BLOCK + tl.arange(0, BLOCK)
-    tl.store(slots_ptr + pid, tl.sum(tl.load(x_ptr + lanes, mask=lanes < n, other=0.0).to(tl.float32), axis=0))
-
-
-@triton.jit
-def _combine_in_order_kernel(slots_ptr, total_ptr, n_slots):
-    """One program: total[0] = ((slots[0] + slots[1]) + slots[2]) + ..., always in index order."""
-    acc = tl.load(slots_ptr)
-    for i in range(1, n_slots):
-        acc += tl.load(slots_ptr + i)
-    tl.store(total_ptr, acc)
-
-
 def atomic_sum(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     """x [n] (any float dtype) -> fp32 0-dim sum, each program's partial added by ``tl.atomic_add``."""
     total = torch.zeros(1, dtype=torch.float32, device=x.device)
     _atomic_sum_kernel[(triton.cdiv(x.numel(), block),)](x.contiguous(), total, x.numel(), BLOCK=block)
-    return total[0]
-
-
-def slot_sum(x: torch.Tensor, block: int = 64) -> torch.Tensor:
-    """x [n] -> fp32 0-dim sum: partials into fixed slots [cdiv(n, block)], then added in index order."""
-    slots = torch.empty(triton.cdiv(x.numel(), block), dtype=torch.float32, device=x.device)
-    _slot_kernel[(slots.numel(),)](x.contiguous(), slots, x.numel(), BLOCK=block)
-    total = torch.empty(1, dtype=torch.float32, device=x.device)
-    _combine_in_order_kernel[(1,)](slots, total, slots.numel())
     return total[0]
 
 

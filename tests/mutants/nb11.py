@@ -5,6 +5,12 @@ SETUP = ['MODE = lk.tritonmode.setup()']
 
 # grade_id -> the rules its visible tests check
 RULES = {
+    'ex1_fixed_order_sum': [
+        "own code: not lk.detreduce.atomic_sum; launches a Triton kernel defined in the notebook",
+        "the same bits (raw bytes) over 8 program orders of the interpreter (the loop's own and 7 shuffled): n = 2000, block 32",
+        "the sum against float64 within 1e-6 sum |x| (values over six orders of magnitude): n = 1, 63, 64, 1000, 4097 with block 16, 64, 128 (n not a multiple of the block, one element, one block); bf16 x; an fp32 0-dim tensor; no load or store outside the tensors",
+        "contract: x as a strided view (buf[::2]) gives the contiguous copy's bits and is left unchanged",
+    ],
     'ex2_det_backward': [
         "own code: no SDPA, torch.autograd.grad or the given lk.detbackward.atomic_backward; launches a Triton kernel defined in the notebook",
         "dq, dk, dv against float64 autograd within 1e-4 (fp32): N = 40 != N_k = 56 (d = 32, not the block), causal N = 70 > N_k = 45 (rows that see no key; d = 16, block_n = 32 != block_m), causal N = 33 < N_k = 80 (d = 64); the inputs' dtypes and shapes; no load or store outside the tensors",
@@ -22,6 +28,14 @@ RULES = {
 }
 
 MISTAKES = {
+    'ex1_fixed_order_sum': [
+        ('atomics kept (partials added into one cell)', 'tl.store(slots_ptr + pid, part)', 'tl.atomic_add(slots_ptr, part)'),
+        ('the last, short block dropped (n // block slots)', 'n_slots = triton.cdiv(x.numel(), block)', 'n_slots = x.numel() // block'),
+        ('no mask on the last block', 'tl.load(x_ptr + offs, mask=offs < n, other=0.0)', 'tl.load(x_ptr + offs)'),
+        ('the combine skips slot 0', 'total = tl.load(slots_ptr)\n    for s in range(1, n_slots):', 'total = 0.0\n    for s in range(1, n_slots):'),
+        ('partials kept in the input dtype', 'tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)', 'tl.load(x_ptr + offs, mask=offs < n, other=0.0)'),
+        ('x assumed contiguous', '    x = x.contiguous()\n', ''),
+    ],
     'ex2_det_backward': [
         ('atomics kept (every share added into slot 0)', 'tl.store(slot + rows, tl.dot(ds.to(k_tile.dtype), k_tile) * sm_scale, mask=in_q[:, None])', 'tl.atomic_add(dq_slots_ptr + bh * N_KEY_BLOCKS * N_Q * D + rows, tl.dot(ds.to(k_tile.dtype), k_tile) * sm_scale, mask=in_q[:, None])'),
         ('one slot shared by every key block (the last program to store wins)', 'slot = dq_slots_ptr + (bh * N_KEY_BLOCKS + j) * N_Q * D', 'slot = dq_slots_ptr + bh * N_KEY_BLOCKS * N_Q * D'),
@@ -47,6 +61,9 @@ HIDDEN_ONLY = {}
 
 # answers fitted to the visible cases: they pass the visible tests and fail the hidden ones
 FITTED = {
+    'ex1_fixed_order_sum': [
+        ("the combine stops at 65 slots (the visible tests' most)", 'for s in range(1, n_slots):', 'for s in range(1, min(n_slots, 65)):'),
+    ],
     'ex2_det_backward': [
         ("6 key blocks per head (the visible tests' most)", 'n_blocks = triton.cdiv(n_k, block_n)', 'n_blocks = 6'),
     ],
@@ -57,6 +74,9 @@ FITTED = {
 
 # right answers written another way: each must pass the whole test cell
 ACCEPTED = {
+    'ex1_fixed_order_sum': [
+        ('the slots added by torch in one fixed order', '_in_order_kernel[(1,)](slots, out, n_slots)\n    return out[0]', 'return slots.sum()'),
+    ],
     'ex2_det_backward': [
         ('the slots added by a Python loop in index order', 'dq = dq_slots.sum(dim=2)', 'dq = dq_slots[:, :, 0].clone()\n    for j in range(1, n_blocks):\n        dq += dq_slots[:, :, j]'),
     ],
