@@ -14,10 +14,12 @@ from typing import Callable
 
 import pandas as pd
 import torch
+from triton.runtime.errors import OutOfResources
 
 from labkit.core import measure
 from labkit.determinism import backward as detbackward, decode as detdecode, reduce as detreduce
 
+FAILURES = (RuntimeError, OutOfResources)   # a kernel that does not fit this GPU: its row says so, the sweep goes on
 DECODE_GOAL = 1.10      # fixed split / dynamic split at batch >= 8: at most 10% slower
 BACKWARD_GOAL = 1.20    # deterministic / atomic backward: at most 20% slower
 CACHE_BYTES = 24 * 2**30   # a decode case whose K and V caches together pass this is skipped (printed as such)
@@ -54,8 +56,9 @@ def decode_sweep(fixed_decode: Callable, *, batches=(1, 8, 64), lengths=(8192, 3
             args = decode_batch(batch, length, heads, dim, device)
             fns = {"fixed": lambda: fixed_decode(*args), "unsplit": lambda: detdecode.unsplit_decode(*args),
                    "dynamic": lambda: detdecode.dynamic_decode(*args, num_sms=sms)}
-            timings, _ = measure.time_interleaved(fns, device=device)
+            timings, failed = measure.time_interleaved(fns, device=device, errors=FAILURES)
             row.update({f"{name}_ms": t.median_ms for name, t in timings.items()})
+            row["note"] = "; ".join(f"{name}: {type(err).__name__}" for name, err in failed.items())
             row["splits"] = detdecode.heuristic_num_splits(batch * heads, sms, -(-length // 16))
             rows.append(row)
             del args
@@ -82,8 +85,9 @@ def backward_sweep(deterministic_backward: Callable, *, lengths=(4096, 8192), di
             continue
         fns = {"det": lambda: deterministic_backward(q, k, v, o, lse, do, **blocks),
                "atomic": lambda: detbackward.atomic_backward(q, k, v, o, lse, do, **blocks)}
-        timings, _ = measure.time_interleaved(fns, device=device)
-        rows.append({"N": length, "B": B, "H": H, "note": "", **{f"{n}_ms": t.median_ms for n, t in timings.items()}})
+        timings, failed = measure.time_interleaved(fns, device=device, errors=FAILURES)
+        rows.append({"N": length, "B": B, "H": H, "note": "; ".join(f"{n}: {type(e).__name__}" for n, e in failed.items()),
+                     **{f"{n}_ms": t.median_ms for n, t in timings.items()}})
         del q, k, v, do, o, lse
         measure.free_memory()
     table = pd.DataFrame(rows)
