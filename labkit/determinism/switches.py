@@ -1,5 +1,7 @@
 """torch's determinism switches, checked on this machine rather than told.
 
+- :func:`documented`: what this torch's docstring of ``torch.use_deterministic_algorithms`` says the switch and
+  ``warn_only`` do, and whether its list of covered operations names SDPA.
 - :func:`deterministic`: ``torch.use_deterministic_algorithms(mode, warn_only=...)`` for a block, restored after.
 - :func:`sdpa_backward_table`: SDPA's backward per backend under three settings (off; on with ``warn_only=True``; on
   with ``warn_only=False``): whether it ran or raised, the warnings it gave, and how many distinct dq / dk / dv bit
@@ -38,6 +40,14 @@ SOURCES = {  # installed torch file -> pattern of the lines that matter
     "_inductor/kernel/flex/flex_flash_attention.py": r"deterministic_algorithms|warn_only =|Running non-deterministic",
     "_inductor/kernel/flex/templates/flex_backwards.py.jinja": r"THIS BLOCK DOES DQ|tl\.store\(dq_ptrs|atomic",
 }
+
+
+def documented() -> tuple[list[str], bool]:
+    """(the sentences of ``torch.use_deterministic_algorithms.__doc__`` that say what is thrown, whether the docstring
+    names ``scaled_dot_product_attention`` anywhere)."""
+    doc = " ".join((torch.use_deterministic_algorithms.__doc__ or "").split())
+    sentences = [s for s in re.split(r"(?<=\.)\s", doc) if "throw" in s and len(s) < 250]
+    return sentences, "scaled_dot_product" in doc
 
 
 @contextlib.contextmanager

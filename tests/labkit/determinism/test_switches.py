@@ -36,3 +36,9 @@ def test_source_lines(tmp_path):
 def test_flash_attn_flag_says_where_or_what():
     table = switches.flash_attn_flag(("labkit_no_such_package", "labkit_no_such.pkg"))
     assert not table.installed.any() and table.deterministic.str.contains("deterministic").all()
+
+
+def test_documented_reads_this_torchs_docstring():
+    sentences, names_sdpa = switches.documented()
+    assert any("warn_only" in s for s in sentences) and any("RuntimeError" in s for s in sentences)
+    assert isinstance(names_sdpa, bool)
