@@ -22,12 +22,15 @@ from labkit.decoding import decode  # noqa: E402
 from labkit.flex import bench as flexbench, lib as flexlib, packtrain  # noqa: E402
 from labkit.fp8 import bench as fp8bench, benchview as fp8view, cast as fp8cast, ceilings as fp8ceilings  # noqa: E402
 from labkit.fp8 import formats as fp8formats, inputs as fp8inputs, study as fp8study  # noqa: E402
+from labkit.tritonlab import order as tritonorder  # noqa: E402
+from labkit.determinism import backward as detbackward, decode as detdecode, invariance as detinvariance  # noqa: E402
+from labkit.determinism import bench as detbench, reduce as detreduce, switches as detswitches  # noqa: E402
 from labkit.course import reference  # noqa: E402
 from labkit import checks  # noqa: E402 (lk.checks.nbNN: the visible tests of notebook NN)
 
 __version__ = "0.1.0"
-__all__ = ["amp", "attention", "bench", "checks", "cpcpu", "cpmem", "cprun", "cptrain", "decode", "doctor", "env", "explain",
+__all__ = ["amp", "attention", "bench", "checks", "cpcpu", "cpmem", "cprun", "cptrain", "decode", "detbackward", "detbench", "detdecode", "detinvariance", "detreduce", "detswitches", "doctor", "env", "explain",
            "flexbench", "flexlib", "fp8bench", "fp8cast", "fp8ceilings", "fp8formats", "fp8inputs", "fp8study", "fp8view", "gpt2", "grading", "hf_attention", "hfcompat", "kernels", "levers", "longctx",
            "longdata", "longmem", "measure", "overhead", "packtrain", "perfmodel", "plots", "precision", "predictor",
            "profiles", "profiling", "reference", "ringproc", "rope", "roofline", "tritonbench", "tritonbounds",
-           "tritoncompile", "tritonmode"]
+           "tritoncompile", "tritonmode", "tritonorder"]

@@ -57,7 +57,7 @@ KNOWN = {module_name(p) for p in FILES}
 GRAPH = {module_name(p): labkit_imports(p, KNOWN) for p in FILES if module_name(p) not in ("labkit", "labkit.__main__")}
 
 
-LESSONS = {"models", "perf", "numerics", "decoding", "tritonlab", "long", "flex", "cp", "fp8"}
+LESSONS = {"models", "perf", "numerics", "decoding", "tritonlab", "long", "flex", "cp", "fp8", "determinism"}
 ALLOWED = {  # subpackage -> the other subpackages it may import
     "core": set(),
     "engine": {"core"},
@@ -70,6 +70,7 @@ ALLOWED = {  # subpackage -> the other subpackages it may import
     "flex": {"core", "engine", "models", "perf"},
     "cp": {"core", "engine", "models", "perf", "long"},
     "fp8": {"core", "engine", "numerics", "perf", "tritonlab"},
+    "determinism": {"core", "engine", "tritonlab"},
     "checks": {"core", "engine"} | LESSONS,
     "course": {"core"},
     "board": {"core", "engine", "course", "checks", "labkit"} | LESSONS,  # "labkit": the face, to run notebook cells

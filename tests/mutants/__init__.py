@@ -19,7 +19,7 @@ Used in: tests/course/test_grader_strength.py.
 """
 from importlib import import_module
 
-NOTEBOOKS = ["nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08", "nb09", "nb10"]
+NOTEBOOKS = ["nb01", "nb02", "nb03", "nb04", "nb05", "nb06", "nb07", "nb08", "nb09", "nb10", "nb11"]
 
 
 def load(name: str):
