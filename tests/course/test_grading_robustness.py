@@ -5,7 +5,8 @@ structure in the standard library only, a kernel runs it in about a second; the 
 test_notebooks.py's) and one submission per student; a module-scoped fixture runs
 generate_assignment, sets the due date, autogrades everyone in one run, regrades the renamed
 notebook once renamed, then runs generate_feedback and export (108 s on a 2-core machine at load 2-2.6, 10 s of
-it the infinite loop's timeout; 250 s with notebook 01). Observed with nbgrader 0.9.6:
+it the infinite loop's timeout; 250 s with notebook 01; the whole file 59 s of CPU since nbgrader starts without
+rfc3987_syntax, tests/support/nbgrader_course.py). Observed with nbgrader 0.9.6:
 
 - tampered: a test cell whose source the student replaced (``pass``, a forged "all tests passed")
   is restored from the gradebook, hidden tests included, and graded: the wrong answers score 0;
