@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     compare = sub.add_parser("compare", help="labkit's attention vs sdpa: tokens/s, loss, peak memory")
     compare.add_argument("--seq-lens", type=ca.integers(2), default=[2**15, 2**16, 2**17], help="comma-separated N")
-    compare.add_argument("--implementations", type=ca.checked(gpt2._parse, "implementation", many=True),
+    compare.add_argument("--implementations", type=ca.checked(gpt2.parse_implementation, "implementation", many=True),
                          default="sdpa,labkit", help="comma-separated attn implementations")
     compare.add_argument("--config", default="flash+ckpt+chunked", choices=list(CONFIGS), help="levers to use")
     compare.add_argument("--rounds", type=ca.integer(1, 5), default=5, help="timed steps per implementation and N")
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     search.add_argument("--max-len", type=ca.integer(2, 65536),
                         help="largest N to try (default: no limit on a GPU; a CPU needs one: its memory must last)")
     search.add_argument("--max-step-s", type=ca.number(0, 150), default=150.0, help="step-time limit in seconds")
-    search.add_argument("--attention", type=ca.checked(gpt2._parse, "implementation"),
+    search.add_argument("--attention", type=ca.checked(gpt2.parse_implementation, "implementation"),
                         help="implementation for every configuration, e.g. labkit:fa4")
     for p in (compare, search):
         p.add_argument("--size", default="small", choices=list(gpt2.SIZES), help="GPT-2 size")
@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     searching, fail = args.command == "search", sub.choices[args.command].error  # argparse's one line, status 2
     configs, impls = (args.configs, [args.attention]) if searching else ([args.config], args.implementations)
-    if any(CONFIGS[c].rope for c in configs) and any(i and gpt2._parse(i)[0] != gpt2.ATTN_NAME for i in impls):
+    if any(CONFIGS[c].rope for c in configs) and any(i and gpt2.parse_implementation(i)[0] != gpt2.ATTN_NAME
+                                                     for i in impls):
         fail("RoPE (a rope+ configuration) runs in labkit's attention only: give labkit or labkit:<backend>")
     if searching and (args.max_len or 0) < args.start and (args.max_len or default_device().type != "cuda"):
         fail(f"argument --max-len: must be at least --start ({args.start}), and a CPU needs one; got {args.max_len}, "

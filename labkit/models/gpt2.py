@@ -37,7 +37,7 @@ HUB_IDS = {"small": "openai-community/gpt2", "medium": "openai-community/gpt2-me
            "large": "openai-community/gpt2-large", "xl": "openai-community/gpt2-xl"}
 
 
-def _parse(implementation: str) -> tuple[str, str | None]:
+def parse_implementation(implementation: str) -> tuple[str, str | None]:
     """'labkit:fa4' -> ('labkit', 'fa4'); 'sdpa' -> ('sdpa', None)."""
     name, _, backend = implementation.partition(":")
     if name != ATTN_NAME and backend:
@@ -57,7 +57,7 @@ def set_attention(model, implementation: str) -> None:
         implementation: "eager", "sdpa", "labkit" (backend ``DEFAULT_BACKEND``) or
             "labkit:<backend>" with a name from ``lk.attention.BACKENDS`` or "auto".
     """
-    name, backend = _parse(implementation)
+    name, backend = parse_implementation(implementation)
     if name != ATTN_NAME and getattr(model.config, "labkit_rope_base", None) is not None:
         raise ValueError(f"this model uses RoPE (lk.rope.use_rope), which only the '{ATTN_NAME}' implementation "
                          f"applies; choose '{ATTN_NAME}' or '{ATTN_NAME}:<backend>', not {implementation!r}.")

@@ -8,6 +8,7 @@ The layer rules between subpackages (``ALLOWED``): the floor (core) imports no o
 the topics build on the engine and on each other downward only (cp -> long -> models/perf; flex -> models;
 tritonlab -> perf); no topic imports the course pipeline, the board or the command line; only the command line
 (``labkit/__main__.py``) imports the board, and only the board's worker imports the face (it runs notebooks).
+No module reads another labkit module's private (``_name``) helper: what two modules share is public where it lives.
 """
 from __future__ import annotations
 
@@ -180,3 +181,22 @@ def test_solution_lines_are_read_from_the_solution_blocks_only(tmp_path):
                                             "### END SOLUTION\n", "outside = 'a line that is long enough to count'\n"]}
     (tmp_path / "nb.ipynb").write_text(json.dumps({"cells": [cell]}))
     assert solution_lines(tmp_path / "nb.ipynb") == {"total = sum(values) / len(values) + offset"}
+
+
+def private_reaches(path: Path) -> list[str]:
+    """``alias._name`` read in ``path`` where ``alias`` is a labkit module it imports (``from labkit.core import
+    grading`` then ``grading._first_reached``): another module's private helper, which may move or vanish."""
+    tree = ast.parse(path.read_text())
+    aliases = {alias.asname or alias.name for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "labkit" and node.level == 0
+               for alias in node.names}
+    return [f"line {node.lineno}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+            and node.attr.startswith("_") and not node.attr.startswith("__")]
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_reads_another_modules_private_helper(path):
+    assert not private_reaches(path), (f"{path.relative_to(ROOT)} reads private helpers of other labkit modules "
+                                       f"{private_reaches(path)}: make them public where they live (e.g. "
+                                       f"labkit/core/codereach.py for the code-reading helpers)")
