@@ -295,8 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     searching, fail = args.command == "search", sub.choices[args.command].error  # argparse's one line, status 2
     configs, impls = (args.configs, [args.attention]) if searching else ([args.config], args.implementations)
-    if any(CONFIGS[c].rope for c in configs) and any(i and gpt2.parse_implementation(i)[0] != gpt2.ATTN_NAME
-                                                     for i in impls):
+    if any(CONFIGS[c].rope for c in configs) and any(i and gpt2.parse_implementation(i)[0] != gpt2.ATTN_NAME for i in impls):
         fail("RoPE (a rope+ configuration) runs in labkit's attention only: give labkit or labkit:<backend>")
     if searching and (args.max_len or 0) < args.start and (args.max_len or default_device().type != "cuda"):
         fail(f"argument --max-len: must be at least --start ({args.start}), and a CPU needs one; got {args.max_len}, "
