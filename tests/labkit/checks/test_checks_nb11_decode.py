@@ -8,16 +8,13 @@ must catch each.
 from __future__ import annotations
 
 import pytest
-from mutants import load
-from notebook_grader import NotebookRunner, exercises
+from check_module_cases import cases
 
 from labkit.checks import nb11_decode
 from labkit.determinism import decode as detdecode
 
 SETUP = ("import math\nimport torch\nimport labkit as lk\nMODE = lk.tritonmode.setup()\nimport triton\n"
          "split_partials = lk.detdecode.split_partials\n")
-SPEC = load("nb11")
-ANSWER = next(e.answer for e in exercises(SPEC.ASSIGNMENT) if e.grade_id == "ex3_invariant_decode")
 CAUGHT = {  # mistake -> the visible check of labkit.checks.nb11_decode that catches it
     'split count from the batch (the launch heuristic)': 'batch_invariant',
     'split size derived from the longest request (4 splits)': 'batch_invariant',
@@ -26,45 +23,8 @@ CAUGHT = {  # mistake -> the visible check of labkit.checks.nb11_decode that cat
     'partials averaged, not weighted by their lse': 'matches_float64',
     'the given combine called': 'own_combine',
 }
-MISTAKES = {name: (old, new, CAUGHT[name]) for name, old, new in SPEC.MISTAKES["ex3_invariant_decode"]}
 CHECKS = ["own_combine", "matches_float64", "batch_invariant", "same_bits_over_orders", "keeps_the_contract"]
-
-
-def _namespace(answer: str) -> dict:
-    runner = NotebookRunner()
-    runner.run(SETUP)
-    runner.run(answer)
-    return runner.namespace
-
-
-def test_every_mistake_names_its_check():
-    assert set(CAUGHT) == set(MISTAKES)
-
-
-@pytest.fixture(scope="module")
-def solution():
-    return _namespace(ANSWER)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_solution_passes(check, solution):
-    getattr(nb11_decode, check)(solution["invariant_decode"])
-
-
-@pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_mistake_fails_its_check(mistake):
-    old, new, check = MISTAKES[mistake]
-    assert ANSWER.count(old) == 1, f"{mistake}: the text to replace is not in the answer once"
-    with pytest.raises(AssertionError, match="invariant_decode"):
-        getattr(nb11_decode, check)(_namespace(ANSWER.replace(old, new))["invariant_decode"])
-
-
-@pytest.mark.parametrize("accepted", [a[0] for a in SPEC.ACCEPTED["ex3_invariant_decode"]])
-def test_accepted_answer_passes(accepted):
-    old, new = next((o, n) for name, o, n in SPEC.ACCEPTED["ex3_invariant_decode"] if name == accepted)
-    ns = _namespace(ANSWER.replace(old, new))
-    for check in CHECKS:
-        getattr(nb11_decode, check)(ns["invariant_decode"])
+globals().update(cases("nb11", "ex3_invariant_decode", nb11_decode, "invariant_decode", CAUGHT, CHECKS, SETUP))
 
 
 def test_the_given_dynamic_decode_is_correct_but_not_batch_invariant():

@@ -8,15 +8,11 @@ must catch each.
 from __future__ import annotations
 
 import pytest
-from mutants import load
-from notebook_grader import NotebookRunner, exercises
+from check_module_cases import cases
 
 from labkit.checks import nb11_sum
 from labkit.determinism import reduce as detreduce
 
-SETUP = "import math\nimport torch\nimport labkit as lk\nMODE = lk.tritonmode.setup()\nimport triton\nimport triton.language as tl\n"
-SPEC = load("nb11")
-ANSWER = next(e.answer for e in exercises(SPEC.ASSIGNMENT) if e.grade_id == "ex1_fixed_order_sum")
 CAUGHT = {  # mistake -> the visible check of labkit.checks.nb11_sum that catches it
     'atomics kept (partials added into one cell)': 'same_bits_over_orders',
     'the last, short block dropped (n // block slots)': 'matches_float64',
@@ -25,45 +21,8 @@ CAUGHT = {  # mistake -> the visible check of labkit.checks.nb11_sum that catche
     'partials kept in the input dtype': 'matches_float64',
     'x assumed contiguous': 'keeps_the_contract',
 }
-MISTAKES = {name: (old, new, CAUGHT[name]) for name, old, new in SPEC.MISTAKES["ex1_fixed_order_sum"]}
 CHECKS = ["own_code", "same_bits_over_orders", "matches_float64", "keeps_the_contract"]
-
-
-def _namespace(answer: str) -> dict:
-    runner = NotebookRunner()
-    runner.run(SETUP)
-    runner.run(answer)
-    return runner.namespace
-
-
-def test_every_mistake_names_its_check():
-    assert set(CAUGHT) == set(MISTAKES)
-
-
-@pytest.fixture(scope="module")
-def solution():
-    return _namespace(ANSWER)
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_solution_passes(check, solution):
-    getattr(nb11_sum, check)(solution["fixed_order_sum"])
-
-
-@pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_mistake_fails_its_check(mistake):
-    old, new, check = MISTAKES[mistake]
-    assert ANSWER.count(old) == 1, f"{mistake}: the text to replace is not in the answer once"
-    with pytest.raises(AssertionError, match="fixed_order_sum"):
-        getattr(nb11_sum, check)(_namespace(ANSWER.replace(old, new))["fixed_order_sum"])
-
-
-@pytest.mark.parametrize("accepted", [a[0] for a in SPEC.ACCEPTED["ex1_fixed_order_sum"]])
-def test_accepted_answer_passes(accepted):
-    old, new = next((o, n) for name, o, n in SPEC.ACCEPTED["ex1_fixed_order_sum"] if name == accepted)
-    ns = _namespace(ANSWER.replace(old, new))
-    for check in CHECKS:
-        getattr(nb11_sum, check)(ns["fixed_order_sum"])
+globals().update(cases("nb11", "ex1_fixed_order_sum", nb11_sum, "fixed_order_sum", CAUGHT, CHECKS))
 
 
 def test_the_given_atomic_sum_is_not_own_code():
