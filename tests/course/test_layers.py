@@ -200,3 +200,13 @@ def test_no_module_reads_another_modules_private_helper(path):
     assert not private_reaches(path), (f"{path.relative_to(ROOT)} reads private helpers of other labkit modules "
                                        f"{private_reaches(path)}: make them public where they live (e.g. "
                                        f"labkit/core/codereach.py for the code-reading helpers)")
+
+
+def test_no_two_test_files_share_a_name():
+    """tests/ has no __init__.py files: pytest imports each test file by its base name, so two of one name in two
+    folders stop the run of the second ("import file mismatch")."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"test files of one name in several folders: {clashes}; name them after their module's face name"
