@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.checks import contract, nb06_backward
-from labkit.core import grading
+from labkit.core import codereach, grading
 from labkit.determinism import backward as detbackward, reduce as detreduce
 from labkit.engine import attention
 from labkit.tritonlab import bounds as tritonbounds, mode as tritonmode
@@ -46,7 +46,7 @@ def own_code(backward) -> None:
     """backward is the student's: no SDPA, no autograd, not the given atomic backward; it launches a Triton kernel
     defined in the notebook."""
     name = f"{NAME}：自己的 Triton 核心"
-    reached = grading._first_reached(backward, lambda obj: any(obj is f for f in FORBID),
+    reached = codereach.first_reached(backward, lambda obj: any(obj is f for f in FORBID),
                                        attributes={"atomic_backward", "scaled_dot_product_attention"})
     grading.check_true(not reached, name=name, detail=f"{NAME} 用到了 {reached}。",
                        hint="這個練習要你寫自己的核心：不要呼叫 lk.detbackward.atomic_backward、SDPA 或 torch.autograd.grad。")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from labkit.checks import contract
-from labkit.core import grading
+from labkit.core import codereach, grading
 from labkit.determinism import decode as detdecode, invariance, reduce as detreduce
 from labkit.engine import attention
 from labkit.tritonlab import mode as tritonmode
@@ -40,7 +40,7 @@ def _float64(req) -> torch.Tensor:
 
 def own_combine(decode) -> None:
     """decode combines the splits itself: it reaches none of the given combine, dynamic_decode or unsplit_decode."""
-    reached = grading._first_reached(decode, lambda obj: any(obj is f for f in GIVEN), attributes={f.__name__ for f in GIVEN})
+    reached = codereach.first_reached(decode, lambda obj: any(obj is f for f in GIVEN), attributes={f.__name__ for f in GIVEN})
     grading.check_true(not reached, name=f"{NAME}：自己的合併", detail=f"{NAME} 用到了 {reached}。",
                        hint="split_partials 是給定的；合併（依 lse 加權）要自己寫，不要呼叫 lk.detdecode.combine、dynamic_decode 或 unsplit_decode。")
 

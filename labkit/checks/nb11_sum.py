@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from labkit.core import grading
+from labkit.core import codereach, grading
 from labkit.determinism import reduce as detreduce
 from labkit.tritonlab import bounds as tritonbounds, mode as tritonmode
 
@@ -28,7 +28,7 @@ def _x(n: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
 
 def own_code(fixed_order_sum) -> None:
     """Not the given atomic_sum; a Triton kernel defined in the notebook is launched."""
-    reached = grading._first_reached(fixed_order_sum, lambda obj: obj is detreduce.atomic_sum, attributes={"atomic_sum"})
+    reached = codereach.first_reached(fixed_order_sum, lambda obj: obj is detreduce.atomic_sum, attributes={"atomic_sum"})
     grading.check_true(not reached, name=f"{NAME}：自己的核心", detail=f"{NAME} 用到了 {reached}。",
                        hint="lk.detreduce.atomic_sum 正是要換掉的做法：寫你自己的核心。")
     with tritonmode.launches() as launched, tritonbounds.outside_accesses():   # a stray store is dropped, not run
