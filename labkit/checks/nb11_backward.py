@@ -10,6 +10,8 @@ Used in: 11_determinism (test cell of ex2)
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -44,17 +46,29 @@ def _inputs(B, H, N, n_k, D, causal, dtype=torch.float32, seed=0):
 
 def own_code(backward) -> None:
     """backward is the student's: no SDPA, no autograd, not the given atomic backward; it launches a Triton kernel
-    defined in the notebook."""
+    defined in the notebook, and no kernel it launches adds by ``tl.atomic_add``."""
     name = f"{NAME}：自己的 Triton 核心"
     reached = codereach.first_reached(backward, lambda obj: any(obj is f for f in FORBID),
                                        attributes={"atomic_backward", "scaled_dot_product_attention"})
     grading.check_true(not reached, name=name, detail=f"{NAME} 用到了 {reached}。",
                        hint="這個練習要你寫自己的核心：不要呼叫 lk.detbackward.atomic_backward、SDPA 或 torch.autograd.grad。")
-    args, _ = _inputs(1, 1, 20, 20, 16, False)
-    with tritonmode.launches() as launched, tritonbounds.outside_accesses():   # a stray store is dropped, not run
-        backward(*args)
-    grading.check_true(sum(launched.values()) >= 1, name=name, detail="沒有啟動任何在 notebook 裡定義的 Triton 核心。",
+    args, _ = _inputs(1, 2, 20, 40, 16, False)
+    launched: list = []   # (kernel function, grid, its arguments by name) of the notebook's launches
+    with tritonmode.watched_launches(lambda fn, a, kw: launched.append(
+            (fn, kw.get("grid"), {**dict(zip(inspect.signature(fn).parameters, a)), **kw}))), tritonbounds.outside_accesses():
+        backward(*args, False, block_m=32, block_n=32)   # a stray store is dropped, not run
+    grading.check_true(len(launched) >= 1, name=name, detail="沒有啟動任何在 notebook 裡定義的 Triton 核心。",
                        hint="deterministic_backward 要以 _bwd_slots_kernel[grid](...) 啟動你自己的核心。")
+    shapes = [(tuple(grid) if isinstance(grid, (tuple, list)) else grid, named.get("BLOCK_M"), named.get("BLOCK_N"))
+              for _, grid, named in launched]
+    grading.check_true(((2, 2), 32, 32) in shapes, name=f"{NAME}：網格 (cdiv(N_k, block_n), B * H)，區塊大小用引數",
+                       detail=f"N_k = 40、B * H = 2、block_m = block_n = 32 應有一次網格 (2, 2)、BLOCK_M = BLOCK_N = 32 的啟動，"
+                              f"得到（網格, BLOCK_M, BLOCK_N）：{shapes}。",
+                       hint="一個程式負責一個鍵區塊：_bwd_slots_kernel[(triton.cdiv(N_k, block_n), B * H)](..., BLOCK_M=block_m, "
+                            "BLOCK_N=block_n)；block_m、block_n 是引數，不要寫死。")
+    atomic = sorted({fn.__name__ for fn, _, _ in launched if "atomic_add" in codereach.attributes_read(fn)})
+    grading.check_true(not atomic, name=f"{NAME}：dQ 的份額存進格子，不用 atomic", detail=f"核心 {atomic} 用了 tl.atomic_add。",
+                       hint=f"違反的規則：{RULE}。每個格子只有一個寫入者：用 tl.store。")
 
 
 def matches_float64(backward, cases=CASES) -> None:
@@ -106,7 +120,9 @@ def same_bits_over_orders(backward, orders: int = 5) -> None:
 
 
 def keeps_the_contract(backward) -> None:
-    """Every tensor argument as a transposed view gives the same gradients and is left unchanged."""
-    args, _ = _inputs(1, 2, 24, 40, 16, True, seed=7)
+    """Every tensor argument, contiguous (lse holding -inf: N > N_k, causal) and as a transposed view, is left
+    unchanged; the views give the same gradients."""
+    args, _ = _inputs(1, 2, 40, 24, 16, True, seed=7)
     with tritonbounds.outside_accesses():
-        contract.check_views_once(backward, *args, True, name=NAME)
+        want = contract.check_inputs_unchanged(backward, *args, True, name=NAME)
+        contract.check_views_once(backward, *args, True, name=NAME, want=want)
