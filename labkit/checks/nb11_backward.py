@@ -99,6 +99,9 @@ def within_2x(backward) -> None:
         with tritonbounds.outside_accesses():
             got = backward(*args, True)
         for g, x, w, base in zip(("dq", "dk", "dv"), got, want, plain):
+            grading.check_true(isinstance(x, torch.Tensor) and x.dtype == dtype, name=f"{NAME}（{str(dtype)[6:]}）: {g} 的 dtype",
+                               detail=f"輸入是 {dtype}，{g} 應為 {dtype}，得到 {getattr(x, 'dtype', type(x).__name__)}。",
+                               hint="梯度和輸入同 dtype：dQ 的格子相加（fp32）之後 .to(q.dtype)。")
             grading.check_within_2x(x, w, base, name=f"{NAME}（{str(dtype)[6:]}，N = 70，N_k = 90，因果）: {g}",
                                     rule="P、dS 與 dQ、dK、dV 的累加都以 fp32 計算，dQ 的格子也是 fp32，相加後才轉回輸入的 dtype",
                                     floor=(w.to(dtype).double() - w).abs().max().item(),
