@@ -64,8 +64,12 @@ def matches_float64(fixed_order_sum, cases=CASES) -> None:
                              hint="每個程式載入第 pid 段（pid * block + arange(block)），以 fp32 加總後存進 slots[pid]；"
                                   "格子數是 cdiv(n, block)，最後一段也要算。")
     x = _x(300, seed=3, dtype=torch.bfloat16)
+    before = x.clone()
     with tritonbounds.outside_accesses():
         total = fixed_order_sum(x, 64)
+    grading.check_true(x.dtype == torch.bfloat16 and torch.equal(x, before), name=f"{NAME}（bf16）：x 不被修改",
+                       detail=f"呼叫後 x 變成 {x.dtype}{'' if x.dtype != torch.bfloat16 else '，內容也變了'}。",
+                       hint="要 fp32 就在核心裡 .to(tl.float32)，或用 x.float() 得到新張量；不要改 x.data 或原地轉換。")
     grading.check_tensor(total.double(), x.double().sum(), name=f"{NAME}（bf16，n = 300）",
                          atol=1e-6 * float(x.double().abs().sum()), hint="部分和以 fp32 計算：載入後先 .to(tl.float32)。")
 

@@ -8,7 +8,7 @@ RULES = {
     'ex1_fixed_order_sum': [
         "own code: not lk.detreduce.atomic_sum; launches a Triton kernel defined in the notebook, one program per block (a launch of grid (cdiv(n, block),): n = 100, block 32), and no kernel it launches calls tl.atomic_add",
         "the same bits (raw bytes) over 8 program orders of the interpreter (the loop's own and 7 shuffled): n = 2000, block 32",
-        "the sum against float64 within 1e-6 sum |x| (values over six orders of magnitude): n = 1, 63, 64, 1000, 4097 with block 16, 64, 128 (n not a multiple of the block, one element, one block, 257 slots); bf16 x; an fp32 0-dim tensor; no load or store outside the tensors",
+        "the sum against float64 within 1e-6 sum |x| (values over six orders of magnitude): n = 1, 63, 64, 1000, 4097 with block 16, 64, 128 (n not a multiple of the block, one element, one block, 257 slots); bf16 x (left bf16 and unchanged); an fp32 0-dim tensor; no load or store outside the tensors",
         "contract: x as a strided view (buf[::2]) gives the contiguous copy's bits and is left unchanged",
     ],
     'ex2_det_backward': [
@@ -39,6 +39,7 @@ MISTAKES = {
         ('the block argument ignored (always 64)', 'n_slots = triton.cdiv(x.numel(), block)', 'block = 64\n    n_slots = triton.cdiv(x.numel(), block)'),
         ('the partials summed in PyTorch (only the combine is a kernel)', '_partials_kernel[(n_slots,)](x, slots, x.numel(), BLOCK=block)', 'slots = torch.nn.functional.pad(x.float(), (0, n_slots * block - x.numel())).view(n_slots, block).sum(1)'),
         ('each partial atomically added into its own zeroed slot', 'tl.store(slots_ptr + pid, part)', 'tl.store(slots_ptr + pid, 0.0)\n    tl.atomic_add(slots_ptr + pid, part)'),
+        ("the caller's x converted to fp32 in place", '    x = x.contiguous()\n', '    x.data = x.data.float()\n    x = x.contiguous()\n'),
         ('64 slots allocated whatever n and block', 'slots = torch.empty(n_slots,', 'slots = torch.empty(64,'),
     ],
     'ex2_det_backward': [
