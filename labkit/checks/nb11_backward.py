@@ -46,13 +46,14 @@ def _inputs(B, H, N, n_k, D, causal, dtype=torch.float32, seed=0):
 
 def own_code(backward) -> None:
     """backward is the student's: no SDPA, no autograd, not the given atomic backward; it launches a Triton kernel
-    defined in the notebook, and no kernel it launches adds by ``tl.atomic_add``."""
+    defined in the notebook with the grid and block sizes the prose states and fp32 dQ slots (bf16 inputs), and no kernel
+    it launches adds by ``tl.atomic_add``."""
     name = f"{NAME}：自己的 Triton 核心"
     reached = codereach.first_reached(backward, lambda obj: any(obj is f for f in FORBID),
                                        attributes={"atomic_backward", "scaled_dot_product_attention"})
     grading.check_true(not reached, name=name, detail=f"{NAME} 用到了 {reached}。",
                        hint="這個練習要你寫自己的核心：不要呼叫 lk.detbackward.atomic_backward、SDPA 或 torch.autograd.grad。")
-    args, _ = _inputs(1, 2, 20, 40, 16, False)
+    args, _ = _inputs(1, 2, 20, 40, 16, False, torch.bfloat16)
     launched: list = []   # (kernel function, grid, its arguments by name) of the notebook's launches
     with tritonmode.watched_launches(lambda fn, a, kw: launched.append(
             (fn, kw.get("grid"), {**dict(zip(inspect.signature(fn).parameters, a)), **kw}))), tritonbounds.outside_accesses():
@@ -66,6 +67,13 @@ def own_code(backward) -> None:
                               f"得到（網格, BLOCK_M, BLOCK_N）：{shapes}。",
                        hint="一個程式負責一個鍵區塊：_bwd_slots_kernel[(triton.cdiv(N_k, block_n), B * H)](..., BLOCK_M=block_m, "
                             "BLOCK_N=block_n)；block_m、block_n 是引數，不要寫死。")
+    slots = [named["dq_slots_ptr"] for _, _, named in launched if isinstance(named.get("dq_slots_ptr"), torch.Tensor)]
+    grading.check_true(bool(slots) and all(t.dtype == torch.float32 and t.numel() == 2 * 2 * 20 * 16 for t in slots),
+                       name=f"{NAME}：dQ 的格子是 fp32 的 [B, H, cdiv(N_k, block_n), N, d]",
+                       detail=f"bf16 輸入、N = 20、N_k = 40、block_n = 32、d = 16：格子應為 float32、{2 * 2 * 20 * 16} 個元素，得到 "
+                              f"{[(t.dtype, t.numel()) for t in slots]}。",
+                       hint="dq_slots = torch.zeros(B, H, cdiv(N_k, block_n), N, d, dtype=torch.float32)：份額以 fp32 存、以 fp32 相加，"
+                            "最後才轉回輸入的 dtype。")
     atomic = sorted({fn.__name__ for fn, _, _ in launched if "atomic_add" in codereach.attributes_read(fn)})
     grading.check_true(not atomic, name=f"{NAME}：dQ 的份額存進格子，不用 atomic", detail=f"核心 {atomic} 用了 tl.atomic_add。",
                        hint=f"違反的規則：{RULE}。每個格子只有一個寫入者：用 tl.store。")

@@ -12,7 +12,7 @@ RULES = {
         "contract: x as a strided view (buf[::2]) gives the contiguous copy's bits and is left unchanged",
     ],
     'ex2_det_backward': [
-        "own code: no SDPA, torch.autograd.grad or the given lk.detbackward.atomic_backward; launches a Triton kernel defined in the notebook with grid (cdiv(N_k, block_n), B * H) and BLOCK_M, BLOCK_N the block_m, block_n passed (32, N_k = 40), and no kernel it launches calls tl.atomic_add",
+        "own code: no SDPA, torch.autograd.grad or the given lk.detbackward.atomic_backward; launches a Triton kernel defined in the notebook with grid (cdiv(N_k, block_n), B * H) and BLOCK_M, BLOCK_N the block_m, block_n passed (32, N_k = 40; bf16 inputs), fp32 dq_slots of B x H x cdiv(N_k, block_n) x N x d, and no kernel it launches calls tl.atomic_add",
         "dq, dk, dv against float64 autograd within 1e-4 (fp32): N = 40 != N_k = 56 (d = 32, not the block), causal N = 70 > N_k = 45 (rows that see no key; d = 16, block_n = 32 != block_m), causal N = 33 < N_k = 80 (d = 64); the inputs' dtypes and shapes; no load or store outside the tensors",
         "bf16 and fp16 (N = 70, N_k = 90, d = 32, causal): each gradient in that dtype and within 2x the error of autograd through plain attention in that dtype (plus the exact gradient's rounding)",
         "dq, dk and dv hold the same bits (torch.equal of the raw bytes) over 5 program orders of the interpreter (the loop's own and 4 shuffled), at two shapes with 3 to 5 key blocks per head",
@@ -54,6 +54,7 @@ MISTAKES = {
         ('block_m and block_n ignored (16 each)', '    n_blocks = triton.cdiv(n_k, block_n)', '    block_m = block_n = 16\n    n_blocks = triton.cdiv(n_k, block_n)'),
         ("lse's -inf rows overwritten in place (the caller's lse)", '    delta = (do.float() * o.float()).sum(-1).contiguous()', '    lse = lse.float().contiguous()\n    lse[lse == float("-inf")] = 0.0\n    delta = (do.float() * o.float()).sum(-1).contiguous()'),
         ('dq returned in fp32 for bf16 and fp16 inputs', '    return dq.to(q.dtype), dk, dv\n', '    return dq, dk, dv\n'),
+        ("dQ slots in the input's dtype", 'dq_slots = torch.zeros(B, H, n_blocks, N, D, dtype=torch.float32, device=q.device)', 'dq_slots = torch.zeros(B, H, n_blocks, N, D, dtype=q.dtype, device=q.device)'),
         ('the given atomic backward called', '    return dq.to(q.dtype), dk, dv\n', '    return lk.detbackward.atomic_backward(q, k, v, o, lse, do, causal, block_m=block_m, block_n=block_n)\n'),
     ],
     'ex3_invariant_decode': [
