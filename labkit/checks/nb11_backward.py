@@ -10,6 +10,8 @@ Used in: 11_determinism (test cell of ex2)
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -44,17 +46,37 @@ def _inputs(B, H, N, n_k, D, causal, dtype=torch.float32, seed=0):
 
 def own_code(backward) -> None:
     """backward is the student's: no SDPA, no autograd, not the given atomic backward; it launches a Triton kernel
-    defined in the notebook."""
+    defined in the notebook with the grid and block sizes the prose states and fp32 dQ slots (bf16 inputs), and no kernel
+    it launches adds by ``tl.atomic_add``."""
     name = f"{NAME}：自己的 Triton 核心"
     reached = codereach.first_reached(backward, lambda obj: any(obj is f for f in FORBID),
                                        attributes={"atomic_backward", "scaled_dot_product_attention"})
     grading.check_true(not reached, name=name, detail=f"{NAME} 用到了 {reached}。",
                        hint="這個練習要你寫自己的核心：不要呼叫 lk.detbackward.atomic_backward、SDPA 或 torch.autograd.grad。")
-    args, _ = _inputs(1, 1, 20, 20, 16, False)
-    with tritonmode.launches() as launched, tritonbounds.outside_accesses():   # a stray store is dropped, not run
-        backward(*args)
-    grading.check_true(sum(launched.values()) >= 1, name=name, detail="沒有啟動任何在 notebook 裡定義的 Triton 核心。",
+    args, _ = _inputs(1, 2, 20, 40, 16, False, torch.bfloat16)
+    launched: list = []   # (kernel function, grid, its arguments by name) of the notebook's launches
+    with tritonmode.watched_launches(lambda fn, a, kw: launched.append(
+            (fn, kw.get("grid"), {**dict(zip(inspect.signature(fn).parameters, a)), **kw}))), tritonbounds.outside_accesses():
+        backward(*args, False, block_m=32, block_n=32)   # a stray store is dropped, not run
+    grading.check_true(len(launched) >= 1, name=name, detail="沒有啟動任何在 notebook 裡定義的 Triton 核心。",
                        hint="deterministic_backward 要以 _bwd_slots_kernel[grid](...) 啟動你自己的核心。")
+    shapes = [(tuple(grid) if isinstance(grid, (tuple, list)) else grid, named.get("BLOCK_M"), named.get("BLOCK_N"))
+              for _, grid, named in launched]
+    grading.check_true(((2, 2), 32, 32) in shapes, name=f"{NAME}：網格 (cdiv(N_k, block_n), B * H)，區塊大小用引數",
+                       detail=f"N_k = 40、B * H = 2、block_m = block_n = 32 應有一次網格 (2, 2)、BLOCK_M = BLOCK_N = 32 的啟動，"
+                              f"得到（網格, BLOCK_M, BLOCK_N）：{shapes}。",
+                       hint="一個程式負責一個鍵區塊：_bwd_slots_kernel[(triton.cdiv(N_k, block_n), B * H)](..., BLOCK_M=block_m, "
+                            "BLOCK_N=block_n)；block_m、block_n 是引數，不要寫死。")
+    slots = [named["dq_slots_ptr"] for _, _, named in launched if isinstance(named.get("dq_slots_ptr"), torch.Tensor)]
+    grading.check_true(bool(slots) and all(t.dtype == torch.float32 and t.numel() == 2 * 2 * 20 * 16 for t in slots),
+                       name=f"{NAME}：dQ 的格子是 fp32 的 [B, H, cdiv(N_k, block_n), N, d]",
+                       detail=f"bf16 輸入、N = 20、N_k = 40、block_n = 32、d = 16：格子應為 float32、{2 * 2 * 20 * 16} 個元素，得到 "
+                              f"{[(t.dtype, t.numel()) for t in slots]}。",
+                       hint="dq_slots = torch.zeros(B, H, cdiv(N_k, block_n), N, d, dtype=torch.float32)：份額以 fp32 存、以 fp32 相加，"
+                            "最後才轉回輸入的 dtype。")
+    atomic = sorted({fn.__name__ for fn, _, _ in launched if "atomic_add" in codereach.attributes_read(fn)})
+    grading.check_true(not atomic, name=f"{NAME}：dQ 的份額存進格子，不用 atomic", detail=f"核心 {atomic} 用了 tl.atomic_add。",
+                       hint=f"違反的規則：{RULE}。每個格子只有一個寫入者：用 tl.store。")
 
 
 def matches_float64(backward, cases=CASES) -> None:
@@ -85,6 +107,9 @@ def within_2x(backward) -> None:
         with tritonbounds.outside_accesses():
             got = backward(*args, True)
         for g, x, w, base in zip(("dq", "dk", "dv"), got, want, plain):
+            grading.check_true(isinstance(x, torch.Tensor) and x.dtype == dtype, name=f"{NAME}（{str(dtype)[6:]}）: {g} 的 dtype",
+                               detail=f"輸入是 {dtype}，{g} 應為 {dtype}，得到 {getattr(x, 'dtype', type(x).__name__)}。",
+                               hint="梯度和輸入同 dtype：dQ 的格子相加（fp32）之後 .to(q.dtype)。")
             grading.check_within_2x(x, w, base, name=f"{NAME}（{str(dtype)[6:]}，N = 70，N_k = 90，因果）: {g}",
                                     rule="P、dS 與 dQ、dK、dV 的累加都以 fp32 計算，dQ 的格子也是 fp32，相加後才轉回輸入的 dtype",
                                     floor=(w.to(dtype).double() - w).abs().max().item(),
@@ -106,7 +131,9 @@ def same_bits_over_orders(backward, orders: int = 5) -> None:
 
 
 def keeps_the_contract(backward) -> None:
-    """Every tensor argument as a transposed view gives the same gradients and is left unchanged."""
-    args, _ = _inputs(1, 2, 24, 40, 16, True, seed=7)
+    """Every tensor argument, contiguous (lse holding -inf: N > N_k, causal) and as a transposed view, is left
+    unchanged; the views give the same gradients."""
+    args, _ = _inputs(1, 2, 40, 24, 16, True, seed=7)
     with tritonbounds.outside_accesses():
-        contract.check_views_once(backward, *args, True, name=NAME)
+        want = contract.check_inputs_unchanged(backward, *args, True, name=NAME)
+        contract.check_views_once(backward, *args, True, name=NAME, want=want)

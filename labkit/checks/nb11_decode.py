@@ -10,6 +10,8 @@ Used in: 11_determinism (test cell of ex3)
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from labkit.checks import contract
@@ -59,6 +61,10 @@ def matches_float64(decode) -> None:
                              "超出請求長度的 split（lse = -inf）權重為 0。")
     reqs = requests(LENGTHS[:6], dtype=torch.bfloat16, seed=2)
     out = decode(*detdecode.pad_batch(reqs))
+    grading.check_true(isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16, name=f"{NAME}（bf16）: o 的 dtype",
+                       detail=f"q 是 bfloat16，o 應為 bfloat16，得到 {getattr(out, 'dtype', type(out).__name__)}。",
+                       hint="合併以 fp32 計算，回傳前 .to(q.dtype)。")
+    _rounded_once(decode, detdecode.pad_batch(reqs))
     for i, req in enumerate(reqs):
         plain = attention.reference_attention(req[0][:, None], req[1], req[2])[0][:, 0]
         grading.check_within_2x(out[i], _float64(req), plain, name=f"{NAME}（bf16，第 {i} 個請求，長度 {LENGTHS[i]}）",
@@ -67,14 +73,43 @@ def matches_float64(decode) -> None:
                                 hint="合併的權重與加總用 fp32（o_part、lse_part 已是 fp32），回傳前才 .to(q.dtype)。")
 
 
+def _rounded_once(decode, batch, split_size: int = 16) -> None:
+    """bf16 ``batch``: decode's o is the fp32 combine of the same partials rounded once to bf16 (at most 2% of the
+    entries one rounding away: another fixed order of the fp32 sums may round the other way)."""
+    o_part, lse_part = detdecode.split_partials(*batch, split_size, -(-int(batch[3].max()) // split_size))
+    want = detdecode.combine(o_part, lse_part, torch.float32).to(torch.bfloat16)
+    differ = float((decode(*batch, split_size).float() != want.float()).float().mean())
+    grading.check_true(differ <= 0.02, name=f"{NAME}（bf16，split_size = {split_size}）：只在最後轉回 q 的 dtype",
+                       detail=f"{differ:.0%} 的元素和「fp32 合併、最後轉一次 bf16」的結果不同（容許 2%）。",
+                       hint="o_part、lse_part 是 fp32：權重、加總與除法都用 fp32，不要先把 o_part 或分子、分母轉成 q 的 dtype；"
+                            "回傳前才 .to(q.dtype)。")
+
+
+def _split_sizes(decode, batch, split_size: int) -> list:
+    """The split size of every launch of the given partials kernel during ``decode(*batch, split_size)``."""
+    sizes: list = []
+
+    def seen(fn, args, kwargs):
+        sizes.append(kwargs.get("SPLIT", dict(zip(inspect.signature(fn).parameters, args)).get("SPLIT")))
+    with tritonmode.watched_launches(seen, module=detdecode.__name__):
+        decode(*batch, split_size)
+    return sizes
+
+
 def batch_invariant(decode, lens=LENGTHS, dim: int = 16, seed: int = 0) -> None:
-    """Requests of ``lens`` (17 of 1-150 keys): each request's row alone equals (torch.equal) its row in batches of 3, 8
-    and 17 (neighbours and positions shuffled)."""
+    """Requests of ``lens`` (17 of 1-150 keys): each request's row alone equals (torch.equal) its row in batches of 3,
+    8 and 17 (neighbours and positions shuffled); decode(..., split_size) cuts every request into splits of
+    ``split_size`` keys (the argument, whatever the batch)."""
     reqs = requests(lens, dim=dim, seed=seed)
     found = invariance.mismatches(decode, reqs, (3, 8, len(lens)), seed=seed)
     bad = {size: [f"#{i}（長度 {lens[i]}）" for i in which] for size, which in found.items() if which}
     grading.check_true(not bad, name=f"{NAME}：批次不變（batch invariance）",
                        detail=f"這些請求在不同大小的批次裡得到和單獨執行時不同的位元：{bad}。", hint=f"違反的規則：{RULE}。")
+    for size, batch in ((32, requests(lens[:6], dim=dim, seed=seed)), (16, requests(lens[:2], dim=dim, seed=seed))):
+        sizes = _split_sizes(decode, detdecode.pad_batch(batch), size)
+        grading.check_true(bool(sizes) and all(s == size for s in sizes), name=f"{NAME}：split 的大小是 split_size",
+                           detail=f"split_size = {size} 時 split_partials 收到的 split 大小：{sizes}。",
+                           hint=f"違反的規則：{RULE}；用傳入的 split_size，不要寫死，也不要由 lens 或 B 推出。")
 
 
 def same_bits_over_orders(decode, orders: int = 4) -> None:

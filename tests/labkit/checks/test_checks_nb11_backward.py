@@ -20,6 +20,11 @@ CAUGHT = {  # mistake -> the visible check of labkit.checks.nb11_backward that c
     'D not subtracted (dS = P * dP)': 'matches_float64',
     'lse not subtracted (P = exp(S))': 'matches_float64',
     'dK not scaled by sm_scale': 'matches_float64',
+    'each dQ share atomically added into its own zeroed slot': 'own_code',
+    'block_m and block_n ignored (16 each)': 'own_code',
+    "lse's -inf rows overwritten in place (the caller's lse)": 'keeps_the_contract',
+    'dq returned in fp32 for bf16 and fp16 inputs': 'within_2x',
+    "dQ slots in the input's dtype": 'own_code',
     'the given atomic backward called': 'own_code',
 }
 CHECKS = ["own_code", "matches_float64", "within_2x", "same_bits_over_orders", "keeps_the_contract"]

@@ -20,6 +20,11 @@ CAUGHT = {  # mistake -> the visible check of labkit.checks.nb11_sum that catche
     'the combine skips slot 0': 'matches_float64',
     'partials kept in the input dtype': 'matches_float64',
     'x assumed contiguous': 'keeps_the_contract',
+    'the block argument ignored (always 64)': 'own_code',
+    'the partials summed in PyTorch (only the combine is a kernel)': 'own_code',
+    'each partial atomically added into its own zeroed slot': 'own_code',
+    '64 slots allocated whatever n and block': 'matches_float64',
+    "the caller's x converted to fp32 in place": 'matches_float64',
 }
 CHECKS = ["own_code", "same_bits_over_orders", "matches_float64", "keeps_the_contract"]
 globals().update(cases("nb11", "ex1_fixed_order_sum", nb11_sum, "fixed_order_sum", CAUGHT, CHECKS))
